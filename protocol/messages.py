@@ -1,0 +1,408 @@
+"""The whole tailrace wire vocabulary: one class per message, fields in wire order.
+
+Field order is the wire contract: append new fields at the end (with a default), never insert; change
+PROTOCOL_VERSION when a layout changes. Bounds live in `wire(...)`; the codec enforces them. Byte-level
+details are in protocol/SPEC.md. No logic here. Test: pytest tests/protocol/test_codec.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.schema import Array, Scalar, message, struct, wire
+
+PROTOCOL_VERSION = 1
+"""Version of the wire layout (frames and field order). Unrelated to the policy version of weights."""
+
+ROLES = ("trainer", "generator", "reward", "tool")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MODELS = ("policy", "drafter")
+STATES = ("starting", "idle", "generating", "training", "syncing_weights", "scoring", "drafter_training",
+          "checkpointing", "stopping")
+
+MAX_TOKENS = 1 << 21
+"""Upper bound on the number of tokens in one prompt or completion on the wire."""
+MAX_VOCAB = 1 << 24
+
+
+class ErrorCode:
+    """Codes carried by Error, Reject and ScoreError. 4xx: the peer sent something wrong; 5xx: ours."""
+
+    BAD_FRAME = 400         # header or frame layout is wrong
+    BAD_FIELD = 401         # a field has the wrong type or is out of bounds
+    UNKNOWN_KIND = 402      # message kind not in this protocol version
+    VERSION_MISMATCH = 403  # protocol version not supported
+    TOO_LARGE = 404         # frame or message over the size limit
+    NOT_WELCOME = 405       # message before a successful handshake
+    NO_CREDIT = 406         # sent beyond the credits granted; message dropped
+    UNSUPPORTED = 407       # valid message this endpoint does not serve
+    UNAUTHORIZED = 408      # role or name not allowed
+    TIMEOUT = 504           # a request timed out (e.g. a reward function)
+    INTERNAL = 500          # the handler failed; the endpoint keeps serving
+
+
+# ---------------------------------------------------------------------------------------- structures
+
+
+@struct
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample one prompt's completions. temperature 0 is greedy.
+
+    Example: SamplingParams(temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=256,
+    stop_token_ids=[2], seed=7)
+    """
+
+    temperature: float = wire(default=1.0, ge=0.0, le=100.0)
+    top_p: float = wire(default=1.0, ge=0.0, le=1.0)       # nucleus mass; 1.0 = off
+    top_k: int = wire(default=0, ge=0, le=MAX_VOCAB)        # 0 = off
+    max_new_tokens: int = wire(default=256, ge=1, le=MAX_TOKENS)
+    stop_token_ids: list[int] = wire(default_factory=list, ge=0, le=MAX_VOCAB, max_len=64)
+    seed: int | None = wire(default=None, ge=0, le=(1 << 63) - 1)  # None: generator's own stream
+
+
+@struct
+@dataclass(frozen=True, kw_only=True)
+class WorkItem:
+    """One prompt to sample `num_samples` times (a GRPO group, or part of one).
+
+    Example: WorkItem(group_id=12, prompt_token_ids=[1, 57, 33], num_samples=8, first_sample_id=0,
+    sampling=SamplingParams(), task="copy", min_policy_version=3)
+    """
+
+    group_id: int = wire(ge=0)
+    prompt_token_ids: list[int] = wire(ge=0, le=MAX_VOCAB, max_len=MAX_TOKENS)
+    num_samples: int = wire(ge=1, le=4096)
+    first_sample_id: int = wire(default=0, ge=0, le=4096)  # sample ids are first..first+num_samples-1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    task: str = wire(default="", max_len=256)
+    min_policy_version: int = wire(default=0, ge=0)  # do not sample with weights older than this
+
+
+# ---------------------------------------------------------------------------------------- handshake
+
+
+@message(1)
+@dataclass(frozen=True, kw_only=True)
+class Hello:
+    """First message a connecting peer sends; nothing else is served before a Welcome.
+
+    role: one of ROLES. name: free-form, unique per run (e.g. "gen-0"). tasks: for reward servers, the
+    task names it scores ("*" = any). max_inflight: how many requests (score requests, work items) this
+    peer accepts at once. capabilities: free-form scalars (backend, vocab_size, max_model_len, ...).
+
+    Example: Hello(role="reward", name="math-grader", protocol_version=1, package_version="0.1.0",
+    tasks=["math"], max_inflight=16, capabilities={"language": "go"})
+    """
+
+    role: str = wire(choices=ROLES)
+    name: str = wire(max_len=128)
+    protocol_version: int = wire(ge=0, le=65535)
+    package_version: str = wire(max_len=64)
+    tasks: list[str] = wire(default_factory=list, max_len=1024)
+    max_inflight: int = wire(default=1, ge=1, le=1 << 16)
+    capabilities: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
+
+
+@message(2)
+@dataclass(frozen=True, kw_only=True)
+class Welcome:
+    """The trainer accepts a peer. credits: messages the peer may have in flight toward the trainer
+    (each Credit message returns some); heartbeat_interval_s / peer_timeout_s: liveness settings
+    (seconds); notice_endpoint: where the PUB socket for notices is bound (same host for tcp).
+
+    Example: Welcome(run_id="r-20261129-1", policy_version=4, credits=64, heartbeat_interval_s=1.0,
+    peer_timeout_s=5.0, notice_endpoint="tcp://127.0.0.1:5556", max_message_bytes=268435456)
+    """
+
+    run_id: str = wire(max_len=128)
+    policy_version: int = wire(ge=0)
+    credits: int = wire(ge=1, le=1 << 20)
+    heartbeat_interval_s: float = wire(ge=0.001, le=3600.0)
+    peer_timeout_s: float = wire(ge=0.001, le=86400.0)
+    notice_endpoint: str = wire(default="", max_len=1024)
+    max_message_bytes: int = wire(default=1 << 30, ge=1)
+    drafter_version: int = wire(default=0, ge=0)
+
+
+@message(3)
+@dataclass(frozen=True, kw_only=True)
+class Reject:
+    """The trainer refuses a Hello (wrong protocol version, duplicate name, ...). The peer should exit.
+
+    Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 1")
+    """
+
+    code: int = wire(ge=0, le=65535)
+    text: str = wire(max_len=4096)
+
+
+# ---------------------------------------------------------------------------------------- work
+
+
+@message(10)
+@dataclass(frozen=True, kw_only=True)
+class WorkRequest:
+    """A generator asks for up to `capacity` samples of work (pull-based admission).
+
+    Example: WorkRequest(capacity=16, policy_version=3)
+    """
+
+    capacity: int = wire(ge=0, le=1 << 20)
+    policy_version: int = wire(ge=0)  # weights the generator holds now
+
+
+@message(11)
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """Work for a generator: zero or more items. An empty list means "none now" (staleness gate closed
+    or prompts exhausted); `exhausted` is True when no more work will ever come.
+
+    Example: Work(items=[WorkItem(group_id=1, prompt_token_ids=[1, 2], num_samples=4)], exhausted=False)
+    """
+
+    items: list[WorkItem] = wire(max_len=4096)
+    exhausted: bool = wire(default=False)
+
+
+@message(12)
+@dataclass(frozen=True, kw_only=True)
+class Cancel:
+    """Stop sampling these groups; running samples end with finish_reason "cancelled".
+
+    Example: Cancel(group_ids=[12, 13], reason="run stopping")
+    """
+
+    group_ids: list[int] = wire(ge=0, max_len=1 << 16)
+    reason: str = wire(default="", max_len=1024)
+
+
+# ---------------------------------------------------------------------------------------- rollouts
+
+
+@message(20)
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One finished sample, streamed as soon as it ends.
+
+    prompt_token_ids / completion_token_ids: int32 [P] / [T]. behaviour_logprobs: float32 [T], the
+    log-probability under the sampling policy (after temperature/top-p/top-k) of each completion token.
+    policy_versions: int32 [T], the policy version that sampled each token. min/max_policy_version: the
+    oldest and newest of those. Times are seconds: queue_s (waiting before the first token), decode_s
+    (first to last token), finished_wall_s (wall clock, Unix epoch, at the finish).
+
+    Example: Rollout(group_id=12, sample_id=3, prompt_token_ids=int32[3], completion_token_ids=int32[5],
+    behaviour_logprobs=float32[5], policy_versions=int32[5], min_policy_version=4, max_policy_version=5,
+    finish_reason="stop", queue_s=0.01, decode_s=0.2, finished_wall_s=1795000000.0)
+    """
+
+    group_id: int = wire(ge=0)
+    sample_id: int = wire(ge=0, le=1 << 20)
+    prompt_token_ids: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
+    completion_token_ids: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
+    behaviour_logprobs: Array = wire(dtypes=("float32",), ndim=1, max_len=MAX_TOKENS)
+    policy_versions: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
+    min_policy_version: int = wire(ge=0)
+    max_policy_version: int = wire(ge=0)
+    finish_reason: str = wire(choices=FINISH_REASONS)
+    queue_s: float = wire(default=0.0, ge=0.0)
+    decode_s: float = wire(default=0.0, ge=0.0)
+    finished_wall_s: float = wire(default=0.0, ge=0.0)
+
+    def __post_init__(self):
+        num = self.completion_token_ids.shape[0]
+        if self.behaviour_logprobs.shape[0] != num or self.policy_versions.shape[0] != num:
+            raise ValueError(
+                f"completion_token_ids has {num} tokens but behaviour_logprobs has "
+                f"{self.behaviour_logprobs.shape[0]} and policy_versions {self.policy_versions.shape[0]}"
+            )
+        if self.min_policy_version > self.max_policy_version:
+            raise ValueError("min_policy_version is greater than max_policy_version")
+
+
+# ---------------------------------------------------------------------------------------- rewards
+
+
+@message(30)
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest:
+    """Score one completion. request_id is unique per reward server connection and echoed back.
+    metadata carries task data such as the reference answer.
+
+    Example: ScoreRequest(request_id=77, task="copy", prompt="copy: abc\\n", completion="abc",
+    metadata={"answer": "abc"}, timeout_s=10.0)
+    """
+
+    request_id: int = wire(ge=0)
+    task: str = wire(max_len=256)
+    prompt: str = wire(max_len=1 << 24)
+    completion: str = wire(max_len=1 << 24)
+    metadata: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
+    timeout_s: float = wire(default=60.0, ge=0.0, le=86400.0)
+
+
+@message(31)
+@dataclass(frozen=True, kw_only=True)
+class Score:
+    """The reward for one ScoreRequest. details: optional named components (logged, not trained on).
+
+    Example: Score(request_id=77, reward=1.0, details={"exact": 1.0})
+    """
+
+    request_id: int = wire(ge=0)
+    reward: float = wire()
+    details: dict[str, float] = wire(default_factory=dict, max_len=256)
+
+
+@message(32)
+@dataclass(frozen=True, kw_only=True)
+class ScoreError:
+    """A ScoreRequest could not be scored (the function raised, returned NaN, or timed out). The
+    trainer may retry elsewhere or count the sample as discarded with this reason.
+
+    Example: ScoreError(request_id=77, code=504, text="score function timed out after 10.0 s")
+    """
+
+    request_id: int = wire(ge=0)
+    code: int = wire(ge=0, le=65535)
+    text: str = wire(max_len=4096)
+
+
+# ---------------------------------------------------------------------------------------- weights
+
+
+@message(40)
+@dataclass(frozen=True, kw_only=True)
+class WeightsNotice:
+    """Version `version` of `model` ("policy" or "drafter") can be fetched in `num_chunks` chunks.
+    Published on the notice socket and sent directly to generators.
+
+    Example: WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184)
+    """
+
+    model: str = wire(choices=MODELS)
+    version: int = wire(ge=0)
+    num_chunks: int = wire(ge=0, le=1 << 20)
+    num_tensors: int = wire(ge=0)
+    total_bytes: int = wire(ge=0)
+
+
+@message(41)
+@dataclass(frozen=True, kw_only=True)
+class WeightsFetch:
+    """Ask for one chunk of a weights version. Answered by WeightsChunk, or Error when the version is
+    no longer served (fetch the newer one announced instead).
+
+    Example: WeightsFetch(model="policy", version=5, chunk_index=0)
+    """
+
+    model: str = wire(choices=MODELS)
+    version: int = wire(ge=0)
+    chunk_index: int = wire(ge=0)
+
+
+@message(42)
+@dataclass(frozen=True, kw_only=True)
+class WeightsChunk:
+    """Some named tensors of one weights version (parameter name -> tensor, any dtype and shape).
+
+    Example: WeightsChunk(model="policy", version=5, chunk_index=0, num_chunks=3,
+    tensors={"model.embed_tokens.weight": float32[512, 64]})
+    """
+
+    model: str = wire(choices=MODELS)
+    version: int = wire(ge=0)
+    chunk_index: int = wire(ge=0)
+    num_chunks: int = wire(ge=1)
+    tensors: dict[str, Array] = wire(max_len=1 << 16)
+
+
+# ---------------------------------------------------------------------------------------- telemetry
+
+
+@message(50)
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    """A snapshot of one process, sent every few seconds and republished to tools on the notice socket.
+
+    state: one of STATES. counters: metric name (role/group/name) -> value. wall_s: Unix epoch seconds.
+
+    Example: Stats(role="generator", name="gen-0", state="generating", policy_version=4,
+    counters={"generator/queue/running": 12, "generator/throughput/tokens_per_s": 950.0},
+    wall_s=1795000000.0)
+    """
+
+    role: str = wire(choices=ROLES)
+    name: str = wire(max_len=128)
+    state: str = wire(choices=STATES)
+    policy_version: int = wire(ge=0)
+    counters: dict[str, float] = wire(default_factory=dict, max_len=1024)
+    wall_s: float = wire(default=0.0, ge=0.0)
+
+
+@message(51)
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Something that happened (peer joined, died, weights published, sample discarded, ...).
+
+    Example: Event(role="trainer", name="trainer", event="peer_dead", text="gen-1 missed 5 heartbeats",
+    fields={"peer": "gen-1"}, wall_s=1795000000.0)
+    """
+
+    role: str = wire(choices=ROLES)
+    name: str = wire(max_len=128)
+    event: str = wire(max_len=128)
+    text: str = wire(default="", max_len=1 << 16)
+    fields: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
+    wall_s: float = wire(default=0.0, ge=0.0)
+
+
+# ---------------------------------------------------------------------------------------- control
+
+
+@message(60)
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """Liveness, both directions, every heartbeat_interval_s. Any message also counts as a sign of life.
+
+    Example: Heartbeat(seq=41, wall_s=1795000000.0)
+    """
+
+    seq: int = wire(ge=0)
+    wall_s: float = wire(default=0.0, ge=0.0)
+
+
+@message(61)
+@dataclass(frozen=True, kw_only=True)
+class Shutdown:
+    """The sender is stopping (trainer: the run ends, peers should exit; peer: it is leaving).
+
+    Example: Shutdown(reason="run finished")
+    """
+
+    reason: str = wire(default="", max_len=4096)
+
+
+@message(62)
+@dataclass(frozen=True, kw_only=True)
+class Error:
+    """The receiver could not handle a message. code: see ErrorCode. ref_kind: kind of the offending
+    message (0 when unknown).
+
+    Example: Error(code=401, text="Rollout.sample_id: expected int, got str", ref_kind=20)
+    """
+
+    code: int = wire(ge=0, le=65535)
+    text: str = wire(max_len=4096)
+    ref_kind: int = wire(default=0, ge=0, le=255)
+
+
+@message(63)
+@dataclass(frozen=True, kw_only=True)
+class Credit:
+    """Grants `credits` more messages in flight toward the sender (see flow control in SPEC.md).
+
+    Example: Credit(credits=8)
+    """
+
+    credits: int = wire(ge=1, le=1 << 20)
