@@ -1,0 +1,94 @@
+"""The `tailrace` command: one subcommand per process role, plus `run` (all roles on this machine).
+
+    tailrace run [--config FILE] [--section.name VALUE ...]
+    tailrace trainer --config FILE [--resume] [--section.name VALUE ...]
+    tailrace generator --connect ADDR [--name NAME] [--config FILE] [--section.name VALUE ...]
+    tailrace reward --connect ADDR --fn module:function [--tasks a,b] [--max-concurrency N]
+
+Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
+what it needs. Test: pytest tests/engine/test_cli.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+OVERRIDES_HELP = ("settings override the config file as dotted names, e.g. --train.lr 1e-4 "
+                  "--sampling.group_size 8 (see README, 'Configuration')")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tailrace",
+        description="Async streaming rollout-and-train engine for RL post-training of language models.",
+    )
+    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward}")
+
+    run = sub.add_parser("run", help="trainer, generators and a reward server on this machine",
+                         description="Start a trainer, launch.num_generators generators and a reward "
+                         "server as separate processes over loopback, show progress, stop cleanly on "
+                         "Ctrl-C with a checkpoint. " + OVERRIDES_HELP)
+    run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
+    run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of progress bars")
+
+    trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run",
+                             description="Bind the protocol endpoints (trainer.bind), hand out work, "
+                             "score, train, publish weights, checkpoint. " + OVERRIDES_HELP)
+    trainer.add_argument("--config", help="TOML run config")
+    trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+
+    gen = sub.add_parser("generator", help="a sampler on the built-in torch backend",
+                         description="Connect to a trainer, pull work, stream finished samples, take new "
+                         "weights between decode steps. " + OVERRIDES_HELP)
+    gen.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
+    gen.add_argument("--name", default="", help="unique name in the run (default: gen-<pid>)")
+    gen.add_argument("--config", help="TOML run config (model, generator and sampling sections apply)")
+    gen.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
+
+    reward = sub.add_parser("reward", help="serve a Python reward function",
+                            description="Run `module:function` (score(prompt, completion, metadata) -> "
+                            "float | dict) as a reward server attached to a trainer.")
+    reward.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
+    reward.add_argument("--fn", required=True, help="module:function, e.g. engine.tasks:score")
+    reward.add_argument("--tasks", default="*", help="comma-separated task names it scores (default: all)")
+    reward.add_argument("--name", default="", help="unique name in the run (default: reward-<pid>)")
+    reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
+    reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
+    reward.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
+    return parser
+
+
+def _set_title(role: str) -> None:
+    try:
+        import setproctitle  # optional
+    except ImportError:
+        return
+    setproctitle.setproctitle(f"tailrace-{role}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    if args.role == "reward" and overrides:
+        _parser().error(f"unrecognized arguments: {' '.join(overrides)}")
+    _set_title(args.role)
+    try:
+        if args.role == "run":
+            from engine.launch import main as role_main
+        elif args.role == "trainer":
+            from engine.trainer.main import main as role_main
+        elif args.role == "generator":
+            from engine.generator.main import main as role_main
+        else:
+            from engine.rewards import main as role_main
+        return role_main(args, overrides) or 0
+    except ValueError as exc:  # bad user input: one clear line, no traceback
+        print(f"tailrace {args.role}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Run configuration: nested keyword-only dataclasses, one per component, validated on construction.
+
+Loaded from a TOML file (sections named like the fields of RunConfig) plus dotted overrides
+(`--train.lr 1e-6`); the resolved config is written into the run folder as config.toml.
+Test: pytest tests/engine/test_config.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _check(cond: bool, name: str, text: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {text}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = ""  # local Hugging Face checkpoint folder; "" = the shipped tiny model (examples/tiny)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
+    device: str = "cpu"
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "model.dtype",
+               f"{self.dtype!r} is not one of float32, bfloat16, float16, float64")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[:SPLIT]" (datasets)
+    task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    seed: int = 0
+    max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
+
+    def __post_init__(self):
+        _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    group_size: int = 8  # samples per prompt (GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+    def __post_init__(self):
+        _check(self.group_size >= 1, "sampling.group_size", "must be >= 1")
+        _check(self.temperature >= 0, "sampling.temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
+        _check(self.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ControllerConfig:
+    max_staleness: int = 1  # policy versions a sample may lag the trained policy; 0 = on-policy
+    max_groups_in_flight: int = 0  # 0 = derived: (max_staleness + 1) * train.groups_per_step
+
+    def __post_init__(self):
+        _check(self.max_staleness >= 0, "controller.max_staleness", "must be >= 0")
+        _check(self.max_groups_in_flight >= 0, "controller.max_groups_in_flight", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    mode: str = "auto"  # "builtin": engine/tasks.py; "servers": attached reward servers only;
+    # "auto": attached servers for tasks they register, built-in functions for the rest
+    timeout_s: float = 30.0
+    retries: int = 2
+    wait_for_server_s: float = 60.0  # in "servers" mode, how long a completion waits for a server
+
+    def __post_init__(self):
+        _check(self.mode in ("auto", "builtin", "servers"), "reward.mode",
+               f"{self.mode!r} is not one of auto, builtin, servers")
+        _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        _check(self.retries >= 0, "reward.retries", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 60
+    groups_per_step: int = 8
+    lr: float = 5e-4
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    is_cap: float = 5.0  # truncation of the behaviour importance weight
+    kl_coef: float = 0.0  # > 0 keeps a frozen reference model
+    loss_agg: str = "token_mean"  # token_mean | sample_mean
+    adv_norm_std: bool = True
+    micro_batch_tokens: int = 4096
+    replay: str = "naive"  # naive (branch-replay modes arrive with issue 4)
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "train.steps", "must be >= 1")
+        _check(self.groups_per_step >= 1, "train.groups_per_step", "must be >= 1")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.lr_schedule in ("constant", "cosine", "linear"), "train.lr_schedule",
+               f"{self.lr_schedule!r} is not one of constant, cosine, linear")
+        _check(self.loss_agg in ("token_mean", "sample_mean"), "train.loss_agg",
+               f"{self.loss_agg!r} is not one of token_mean, sample_mean")
+        _check(self.replay in ("naive",), "train.replay", f"{self.replay!r}: only 'naive' is implemented")
+        _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+        _check(len(self.betas) == 2, "train.betas", "needs two values")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = only at the end (and on Ctrl-C)
+    keep: int = 2
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    bind: str = "tcp://127.0.0.1:5555"  # port 0 picks a free port (printed and written to the run folder)
+    run_name: str = ""  # "" = a timestamped name
+    runs_dir: str = "runs"
+    heartbeat_interval_s: float = 1.0
+    missed_heartbeats: int = 10
+    credits: int = 256
+    weights_chunk_bytes: int = 16 << 20
+    stats_interval_s: float = 1.0
+    curve_secret_key_file: str = ""  # enables CURVE; the public key file sits next to it (.pub)
+
+    def __post_init__(self):
+        _check(self.bind.startswith(("tcp://", "ipc://", "inproc://")), "trainer.bind",
+               f"{self.bind!r} must start with tcp://, ipc:// or inproc://")
+        _check(self.heartbeat_interval_s > 0, "trainer.heartbeat_interval_s", "must be > 0")
+        _check(self.missed_heartbeats >= 1, "trainer.missed_heartbeats", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    max_batch_size: int = 32
+    in_flight_update: bool = True  # False: finish running sequences before taking new weights
+    decode_sleep_s: float = 0.0  # modelled compute time per decode step (benchmarks only)
+
+    def __post_init__(self):
+        _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")
+        _check(self.decode_sleep_s >= 0, "generator.decode_sleep_s", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    num_generators: int = 2
+    reward_server: bool = True  # start the built-in reward functions as a separate reward process
+    on_child_crash: str = "stop"  # stop | restart
+    max_restarts: int = 3
+    torch_threads: int = 1  # per child process; 2 cores run 4 processes
+
+    def __post_init__(self):
+        _check(self.num_generators >= 1, "launch.num_generators", "must be >= 1")
+        _check(self.on_child_crash in ("stop", "restart"), "launch.on_child_crash",
+               f"{self.on_child_crash!r} is not one of stop, restart")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if isinstance(value, str) and tp is not str:
+        if tp is bool:
+            lowered = value.lower()
+            _check(lowered in ("true", "false", "1", "0", "yes", "no"), name, f"{value!r} is not a boolean")
+            return lowered in ("true", "1", "yes")
+        if tp is int:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}: {value!r} is not an integer") from None
+        if tp is float:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{name}: {value!r} is not a number") from None
+        if origin is tuple:
+            return _coerce(tp, [v.strip() for v in value.split(",")], name)
+    if origin is tuple:
+        _check(isinstance(value, list | tuple), name, f"expected a list, got {value!r}")
+        return tuple(_coerce(a, v, name) for a, v in zip(typing.get_args(tp), value, strict=True))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = tp if not isinstance(tp, types.UnionType) else typing.get_args(tp)
+    _check(isinstance(value, expected) and not (tp is int and isinstance(value, bool)), name,
+           f"expected {getattr(tp, '__name__', tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build a config dataclass from nested dicts, rejecting unknown keys with the dotted name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ValueError(f"{dotted}: unknown setting (known: {', '.join(sorted(names))})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _check(isinstance(value, dict), dotted, "expected a table")
+            kwargs[key] = from_dict(tp, value, dotted + ".")
+        else:
+            kwargs[key] = _coerce(tp, value, dotted)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ["--a.b", "value", ...] or ["--a.b=value"] pairs onto nested dicts."""
+    i = 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"override {arg!r}: expected --section.name VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(overrides):
+                raise ValueError(f"override --{key}: missing value")
+            value = overrides[i + 1]
+            i += 1
+        i += 1
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override --{key}: {part} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    apply_overrides(data, list(overrides or []))
+    return from_dict(RunConfig, data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: RunConfig) -> str:
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)

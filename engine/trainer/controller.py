@@ -1,0 +1,275 @@
+"""The trainer's controller: which work goes to which generator, and which groups train when (pure logic).
+
+    data source --(admit, within the staleness gate)--> pending sample ranges --(WorkRequest)--> generators
+    generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(pop_batch)--> learner
+    generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
+
+Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
+they return. Every sample handed out ends as trained or discarded with a reason (DESIGN.md invariant 4);
+`check_accounting` proves it. Test: pytest tests/engine/test_controller.py
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PromptRecord:
+    """One prompt as the controller sees it: token ids for the generators, text and metadata for rewards."""
+
+    prompt_id: int
+    token_ids: list[int]
+    text: str
+    task: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SampleRange:
+    group_id: int
+    first_sample_id: int
+    num_samples: int
+
+
+@dataclass
+class GroupState:
+    group_id: int
+    prompt: PromptRecord
+    admitted_version: int  # policy version when admitted: generators must sample with >= this
+    group_size: int
+    assigned: dict[int, str] = field(default_factory=dict)  # sample_id -> generator peer name
+    results: dict[int, Any] = field(default_factory=dict)  # sample_id -> scored sample
+    discarded: set[int] = field(default_factory=set)
+    pending_scores: set[int] = field(default_factory=set)  # received, being scored
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) + len(self.discarded) == self.group_size and not self.pending_scores
+
+    def min_version(self) -> int:
+        """Oldest policy version among received samples, or the admission version if none yet."""
+        versions = [s.min_policy_version for s in self.results.values()]
+        return min(versions, default=self.admitted_version)
+
+
+@dataclass
+class WorkDecision:
+    items: list[tuple[PromptRecord, SampleRange, int]]  # (prompt, range, min_policy_version)
+    exhausted: bool
+
+
+class Controller:
+    """Admission, dispatch, tracking and batch formation for one run.
+
+    Staleness: a batch trained with policy version V only contains samples whose oldest token was
+    sampled with version >= V - max_staleness. Admission keeps at most (V + max_staleness + 1) *
+    groups_per_step groups admitted, and pop_batch forces every group that would otherwise become too
+    stale into the current step (waiting for it if needed), so the bound holds without discarding.
+    """
+
+    def __init__(self, prompts: Iterator[PromptRecord], *, group_size: int, groups_per_step: int,
+                 max_staleness: int, max_groups_in_flight: int = 0, policy_version: int = 0,
+                 groups_admitted: int = 0):
+        self.prompts = prompts
+        self.group_size = group_size
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.max_groups_in_flight = max_groups_in_flight or (max_staleness + 1) * groups_per_step
+        self.policy_version = policy_version
+        self.groups_admitted = groups_admitted  # over the whole run, resumes included
+        self.base_admitted = groups_admitted - policy_version * groups_per_step
+        self.exhausted = False
+        self.stopping = False
+        self.groups: dict[int, GroupState] = {}
+        self.queue: collections.deque[SampleRange] = collections.deque()
+        self.complete: list[GroupState] = []
+        self.samples_handed_out = 0
+        self.samples_trained = 0
+        self.discarded: collections.Counter[str] = collections.Counter()
+        self.max_staleness_seen = 0
+
+    # ------------------------------------------------------------------------------- admission
+
+    def _gate_open(self) -> bool:
+        allowed = self.base_admitted + (self.policy_version + self.max_staleness + 1) * self.groups_per_step
+        in_flight = len(self.groups)
+        return (not self.stopping and not self.exhausted and self.groups_admitted < allowed
+                and in_flight < self.max_groups_in_flight)
+
+    def _admit_one(self) -> bool:
+        try:
+            prompt = next(self.prompts)
+        except StopIteration:
+            self.exhausted = True
+            return False
+        group_id = self.groups_admitted
+        self.groups_admitted += 1
+        self.groups[group_id] = GroupState(group_id, prompt, self.policy_version, self.group_size)
+        self.queue.append(SampleRange(group_id, 0, self.group_size))
+        return True
+
+    def request_work(self, peer: str, capacity: int) -> WorkDecision | None:
+        """Work for a generator with room for `capacity` samples, or None to park the request
+        until the gate opens (a new policy version, a re-queued range)."""
+        items = []
+        while capacity > 0:
+            if not self.queue and not (self._gate_open() and self._admit_one()):
+                break
+            rng = self.queue[0]
+            take = min(capacity, rng.num_samples)
+            if take < rng.num_samples:
+                self.queue[0] = SampleRange(rng.group_id, rng.first_sample_id + take, rng.num_samples - take)
+            else:
+                self.queue.popleft()
+            group = self.groups[rng.group_id]
+            for sid in range(rng.first_sample_id, rng.first_sample_id + take):
+                group.assigned[sid] = peer
+            self.samples_handed_out += take
+            capacity -= take
+            items.append((group.prompt, SampleRange(rng.group_id, rng.first_sample_id, take),
+                          group.admitted_version))
+        if items:
+            return WorkDecision(items, False)
+        if self.stopping or (self.exhausted and not self.queue):
+            return WorkDecision([], True)
+        return None
+
+    # ------------------------------------------------------------------------------- results
+
+    def check_rollout(self, peer: str, group_id: int, sample_id: int) -> str | None:
+        """None if this sample is one we handed to `peer` and still wait for; else why it is dropped."""
+        group = self.groups.get(group_id)
+        if group is None:
+            return "unknown_group"
+        if group.assigned.get(sample_id) != peer:
+            return "not_assigned"
+        if sample_id in group.results or sample_id in group.discarded or sample_id in group.pending_scores:
+            return "duplicate"
+        return None
+
+    def on_received(self, group_id: int, sample_id: int) -> None:
+        self.groups[group_id].pending_scores.add(sample_id)
+
+    def on_scored(self, group_id: int, sample_id: int, sample: Any) -> None:
+        group = self.groups[group_id]
+        group.pending_scores.discard(sample_id)
+        group.results[sample_id] = sample
+        self._maybe_complete(group)
+
+    def on_discard(self, group_id: int, sample_id: int, reason: str) -> None:
+        group = self.groups[group_id]
+        group.pending_scores.discard(sample_id)
+        group.discarded.add(sample_id)
+        self.discarded[reason] += 1
+        self._maybe_complete(group)
+
+    def _maybe_complete(self, group: GroupState) -> None:
+        if group.done:
+            del self.groups[group.group_id]
+            if group.results:
+                self.complete.append(group)
+
+    def on_generator_dead(self, peer: str) -> list[SampleRange]:
+        """Samples handed to a dead generator and not yet received are discarded ("generator_dead") and
+        re-queued at the front, so the group completes from another generator."""
+        requeued = []
+        for group in self.groups.values():
+            lost = sorted(sid for sid, owner in group.assigned.items()
+                          if owner == peer and sid not in group.results and sid not in group.discarded
+                          and sid not in group.pending_scores)
+            for sid in lost:
+                del group.assigned[sid]
+                self.discarded["generator_dead"] += 1
+            for first, count in _runs(lost):
+                requeued.append(SampleRange(group.group_id, first, count))
+        self.queue.extendleft(reversed(requeued))
+        return requeued
+
+    # ------------------------------------------------------------------------------- training
+
+    def pop_batch(self) -> list[GroupState] | None:
+        """Groups for the step that trains policy version V = self.policy_version, or None to wait.
+
+        A group whose oldest sample would exceed the staleness bound after this step must be in it:
+        if such a group is still in flight, wait for it."""
+        limit = self.policy_version + 1 - self.max_staleness  # min version a group may have after this step
+        if any(g.min_version() < limit for g in self.groups.values()):
+            return None
+        forced = [g for g in self.complete if g.min_version() < limit]
+        if len(self.complete) < self.groups_per_step and not forced:
+            return None
+        self.complete.sort(key=lambda g: g.min_version())  # stalest first; stable keeps arrival order
+        batch = self.complete[: max(self.groups_per_step, len(forced))]
+        del self.complete[: len(batch)]
+        return batch
+
+    def pop_final(self) -> list[GroupState]:
+        """Whatever complete groups remain (used when the data is exhausted)."""
+        batch, self.complete = self.complete, []
+        return batch
+
+    def on_trained(self, batch: list[GroupState], version: int) -> None:
+        for group in batch:
+            for sample in group.results.values():
+                self.max_staleness_seen = max(self.max_staleness_seen, version - sample.min_policy_version)
+                self.samples_trained += 1
+
+    def on_new_version(self, version: int) -> None:
+        self.policy_version = version
+
+    def on_stop(self, reason: str = "run_ended") -> list[int]:
+        """Stop admitting; every sample handed out and not trained is discarded with `reason`.
+        Returns the group ids to cancel at the generators."""
+        self.stopping = True
+        cancelled = []
+        for group in self.groups.values():
+            # handed out and neither trained nor already discarded (generator_dead ones left `assigned`)
+            self.discarded[reason] += len(group.assigned) - len(group.discarded)
+            cancelled.append(group.group_id)
+        self.discarded[reason] += sum(len(g.results) for g in self.complete)
+        self.groups.clear()
+        self.complete.clear()
+        self.queue.clear()  # queued ranges were never handed out
+        return cancelled
+
+    def check_accounting(self) -> None:
+        """Invariant 4: handed out == trained + discarded (once nothing is in flight)."""
+        total = self.samples_trained + sum(self.discarded.values())
+        in_flight = sum(len(g.assigned) - len(g.discarded) for g in self.groups.values())
+        in_flight += sum(len(g.results) for g in self.complete)
+        assert self.samples_handed_out == total + in_flight, (
+            f"accounting broken: handed out {self.samples_handed_out}, trained {self.samples_trained}, "
+            f"discarded {dict(self.discarded)}, in flight {in_flight}")
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "trainer/controller/groups_in_flight": len(self.groups),
+            "trainer/controller/groups_complete": len(self.complete),
+            "trainer/controller/ranges_queued": len(self.queue),
+            "trainer/controller/samples_handed_out": self.samples_handed_out,
+            "trainer/controller/samples_trained": self.samples_trained,
+            "trainer/controller/samples_discarded": sum(self.discarded.values()),
+            "trainer/controller/max_staleness_seen": self.max_staleness_seen,
+        }
+
+
+def _runs(ids: list[int]) -> Iterator[tuple[int, int]]:
+    """Consecutive runs of sorted ints as (first, count)."""
+    start = prev = None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            yield start, prev - start + 1
+            start = prev = i
+    if start is not None:
+        yield start, prev - start + 1
+
+
+PromptFactory = Callable[[], Iterator[PromptRecord]]

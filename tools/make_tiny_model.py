@@ -1,0 +1,201 @@
+"""Build the shipped tiny model: a character tokenizer and a small Qwen2, briefly pretrained on a task.
+
+    python tools/make_tiny_model.py                      # writes examples/tiny/ (about 2 minutes, 2 cores)
+    python tools/make_tiny_model.py --out /tmp/tiny --steps 400 --seed 0
+
+The model (Qwen2 architecture, grouped-query attention, tied embeddings, about 1M parameters) is
+trained with supervised next-token loss on the built-in synthetic task (engine/tasks.py) for a short,
+fixed number of steps, on purpose: the result is a reasonable but imperfect policy (sampled at
+temperature 1 its mean reward is well below 1, and samples of one prompt differ), so RL has signal
+and room to improve. Seeded and single-threaded by default, so a rerun on the same machine gives
+the same weights. The output folder loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+from engine import tasks  # noqa: E402  (pure Python; torch is imported in main())
+
+# The data stream the pretraining draws from; RL runs use other seeds of the same task.
+PRETRAIN_SEED_OFFSET = 1_000_000
+
+
+def build_tokenizer():
+    """Character-level PreTrainedTokenizerFast over tasks.VOCAB: one token per character, <bos> first."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(tasks.VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=tasks.UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    bos_id = vocab[tasks.BOS_TOKEN]
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{tasks.BOS_TOKEN} $A", pair=f"{tasks.BOS_TOKEN} $A $B", special_tokens=[(tasks.BOS_TOKEN, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=tasks.BOS_TOKEN,
+        eos_token=tasks.EOS_TOKEN,
+        pad_token=tasks.PAD_TOKEN,
+        unk_token=tasks.UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+
+
+def build_model(tokenizer, hidden_size: int, num_layers: int):
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tasks.VOCAB),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=80,
+    )
+    return model
+
+
+def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int):
+    """Endless (input_ids, labels) batches; examples of similar length are batched together."""
+    import torch
+
+    stream = tasks.synthetic_prompts(task, seed=seed + PRETRAIN_SEED_OFFSET)
+    rng = random.Random(seed)
+    while True:
+        examples = []
+        for _ in range(batch_size * group):
+            prompt = next(stream)
+            prompt_ids = tokenizer(prompt.text)["input_ids"]
+            answer_ids = tokenizer(str(prompt.metadata["answer"]), add_special_tokens=False)["input_ids"]
+            examples.append((prompt_ids, answer_ids + [tokenizer.eos_token_id]))
+        examples.sort(key=lambda e: len(e[0]) + len(e[1]))
+        chunks = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            width = max(len(p) + len(a) for p, a in chunk)
+            input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id)
+            labels = torch.full((len(chunk), width), -100)
+            for row, (p, a) in enumerate(chunk):
+                input_ids[row, : len(p) + len(a)] = torch.tensor(p + a)
+                labels[row, len(p) : len(p) + len(a)] = torch.tensor(a)
+            yield input_ids, labels
+
+
+def pretrain(model, tokenizer, task: str, steps: int, seed: int, lr: float, batch_size: int) -> None:
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    model.train()
+    start = time.monotonic()
+    batches = _batches(task, seed, tokenizer, batch_size, group=8)
+    for step in range(1, steps + 1):
+        input_ids_BT, labels_BT = next(batches)
+        loss = model(input_ids=input_ids_BT, attention_mask=input_ids_BT.ne(tokenizer.pad_token_id), labels=labels_BT).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == steps:
+            print(f"step {step:5d}/{steps}  loss {loss.item():.4f}  {time.monotonic() - start:6.1f}s", flush=True)
+    model.eval()
+
+
+def sample_rewards(model, tokenizer, task: str, seed: int, num_prompts: int, group_size: int):
+    """Sample group_size completions per prompt at temperature 1; returns rewards and lengths per group."""
+    import torch
+
+    prompts = [tasks.make_prompt(task, seed, i) for i in range(num_prompts)]
+    groups, lengths = [], []
+    for prompt in prompts:
+        input_ids = torch.tensor([tokenizer(prompt.text)["input_ids"]] * group_size)
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True)
+        completions = out[:, input_ids.shape[1] :]
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        groups.append([tasks.score(prompt.text, t, prompt.metadata) for t in texts])
+        for row in completions.tolist():
+            lengths.append(row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row))
+    return groups, lengths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "examples" / "tiny")
+    parser.add_argument("--task", default=tasks.DEFAULT_TASK, choices=tasks.TASK_NAMES)
+    parser.add_argument("--steps", type=int, default=400, help="supervised steps (few on purpose)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
+    parser.add_argument("--eval-prompts", type=int, default=32, help="0 skips the sampled evaluation")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.hidden_size, args.num_layers)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"qwen2 hidden {args.hidden_size} x {args.num_layers} layers: {num_params / 1e6:.2f}M parameters")
+    pretrain(model, tokenizer, args.task, args.steps, args.seed, args.lr, args.batch_size)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    size_mb = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1e6
+    print(f"saved to {args.out} ({size_mb:.1f} MB)")
+
+    if args.eval_prompts:
+        torch.manual_seed(args.seed)
+        groups, lengths = sample_rewards(model, tokenizer, args.task, args.seed, args.eval_prompts, 8)
+        rewards = [r for g in groups for r in g]
+        within_std = statistics.mean(statistics.pstdev(g) for g in groups)
+        lengths.sort()
+        print(
+            f"sampled at T=1, {args.eval_prompts} prompts x 8: mean reward {statistics.mean(rewards):.3f}, "
+            f"within-group std {within_std:.3f}, response tokens median {statistics.median(lengths)} "
+            f"p99 {lengths[min(len(lengths) - 1, int(0.99 * len(lengths)))]}"
+        )
+
+
+if __name__ == "__main__":
+    main()
