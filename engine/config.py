@@ -25,7 +25,7 @@ def _check(cond: bool, name: str, text: str) -> None:
 class ModelConfig:
     path: str = ""  # local Hugging Face checkpoint folder; "" = the shipped tiny model (examples/tiny)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
-    device: str = "cpu"
+    device: str = "cpu"  # torch device of trainer and generators (cpu, cuda, cuda:1, ...)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "model.dtype",
@@ -36,9 +36,9 @@ class ModelConfig:
 class DataConfig:
     source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[:SPLIT]" (datasets)
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    seed: int = 0
+    prompt_field: str = "prompt"  # file rows: the field holding the prompt text
+    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer"
+    seed: int = 0  # seed of the synthetic prompt stream
     max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
 
     def __post_init__(self):
@@ -48,10 +48,10 @@ class DataConfig:
 @dataclass(kw_only=True)
 class SamplingConfig:
     group_size: int = 8  # samples per prompt (GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64  # completion length limit per sample
 
     def __post_init__(self):
         _check(self.group_size >= 1, "sampling.group_size", "must be >= 1")
@@ -73,10 +73,9 @@ class ControllerConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    mode: str = "auto"  # "builtin": engine/tasks.py; "servers": attached reward servers only;
-    # "auto": attached servers for tasks they register, built-in functions for the rest
-    timeout_s: float = 30.0
-    retries: int = 2
+    mode: str = "auto"  # auto: attached servers for their tasks, built-in functions for the rest; builtin; servers
+    timeout_s: float = 30.0  # per score request
+    retries: int = 2  # a failed or timed-out request is retried on another server this often
     wait_for_server_s: float = 60.0  # in "servers" mode, how long a completion waits for a server
 
     def __post_init__(self):
@@ -88,23 +87,23 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 60
-    groups_per_step: int = 8
-    lr: float = 5e-4
+    steps: int = 60  # optimizer steps of the run
+    groups_per_step: int = 8  # GRPO groups per optimizer step
+    lr: float = 5e-4  # AdamW learning rate
     lr_schedule: str = "constant"  # constant | cosine | linear
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = 1.0
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
+    warmup_steps: int = 0  # linear warmup before the schedule
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient clipping; 0 = off
+    clip_eps_low: float = 0.2  # PPO ratio clip below 1
+    clip_eps_high: float = 0.28  # PPO ratio clip above 1
     is_cap: float = 5.0  # truncation of the behaviour importance weight
     kl_coef: float = 0.0  # > 0 keeps a frozen reference model
     loss_agg: str = "token_mean"  # token_mean | sample_mean
-    adv_norm_std: bool = True
-    micro_batch_tokens: int = 4096
+    adv_norm_std: bool = True  # GRPO: divide advantages by the group std
+    micro_batch_tokens: int = 4096  # padded tokens per forward pass
     replay: str = "naive"  # naive (branch-replay modes arrive with issue 4)
-    seed: int = 0
+    seed: int = 0  # torch / numpy / python seeds of the trainer
 
     def __post_init__(self):
         _check(self.steps >= 1, "train.steps", "must be >= 1")
@@ -122,7 +121,7 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     every_steps: int = 0  # 0 = only at the end (and on Ctrl-C)
-    keep: int = 2
+    keep: int = 2  # checkpoints kept in runs/<name>/checkpoint
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
@@ -133,12 +132,12 @@ class CheckpointConfig:
 class TrainerConfig:
     bind: str = "tcp://127.0.0.1:5555"  # port 0 picks a free port (printed and written to the run folder)
     run_name: str = ""  # "" = a timestamped name
-    runs_dir: str = "runs"
-    heartbeat_interval_s: float = 1.0
-    missed_heartbeats: int = 10
-    credits: int = 256
-    weights_chunk_bytes: int = 16 << 20
-    stats_interval_s: float = 1.0
+    runs_dir: str = "runs"  # parent folder of run folders
+    heartbeat_interval_s: float = 1.0  # liveness messages both ways
+    missed_heartbeats: int = 10  # a peer silent this many intervals is declared dead
+    credits: int = 256  # messages each peer may have in flight toward the trainer
+    weights_chunk_bytes: int = 16 << 20  # size of one WeightsChunk
+    stats_interval_s: float = 1.0  # telemetry period of every process
     curve_secret_key_file: str = ""  # enables CURVE; the public key file sits next to it (.pub)
 
     def __post_init__(self):
@@ -150,7 +149,7 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class GeneratorConfig:
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
     decode_sleep_s: float = 0.0  # modelled compute time per decode step (benchmarks only)
 
@@ -161,10 +160,10 @@ class GeneratorConfig:
 
 @dataclass(kw_only=True)
 class LaunchConfig:
-    num_generators: int = 2
+    num_generators: int = 2  # generator processes
     reward_server: bool = True  # start the built-in reward functions as a separate reward process
     on_child_crash: str = "stop"  # stop | restart
-    max_restarts: int = 3
+    max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes
 
     def __post_init__(self):
@@ -291,4 +290,29 @@ def to_toml(cfg: RunConfig) -> str:
         lines.append(f"[{section}]")
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
         lines.append("")
+    return "\n".join(lines)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `# ...` comment after each field in this file: the settings' documentation."""
+    import inspect
+
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and "#" in rest and name.isidentifier():
+            comments[name] = rest.split("#", 1)[1].strip()
+    return comments
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, generated from the dataclasses above."""
+    lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
+    for section in dataclasses.fields(RunConfig):
+        cls = typing.get_type_hints(RunConfig)[section.name]
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{section.name}.{f.name}` | `{_toml_value(default)}` | "
+                         f"{comments.get(f.name, '').replace('|', '/')} |")
     return "\n".join(lines)

@@ -138,6 +138,10 @@ class Controller:
             return WorkDecision([], True)
         return None
 
+    def request_work_possible(self) -> bool:
+        """Would request_work answer now (work, or "exhausted") rather than park?"""
+        return bool(self.queue) or self._gate_open() or self.stopping or self.exhausted
+
     # ------------------------------------------------------------------------------- results
 
     def check_rollout(self, peer: str, group_id: int, sample_id: int) -> str | None:
@@ -154,14 +158,19 @@ class Controller:
     def on_received(self, group_id: int, sample_id: int) -> None:
         self.groups[group_id].pending_scores.add(sample_id)
 
+    # Scoring finishes asynchronously: after on_stop the group is gone and was already counted.
     def on_scored(self, group_id: int, sample_id: int, sample: Any) -> None:
-        group = self.groups[group_id]
+        group = self.groups.get(group_id)
+        if group is None:
+            return
         group.pending_scores.discard(sample_id)
         group.results[sample_id] = sample
         self._maybe_complete(group)
 
     def on_discard(self, group_id: int, sample_id: int, reason: str) -> None:
-        group = self.groups[group_id]
+        group = self.groups.get(group_id)
+        if group is None:
+            return
         group.pending_scores.discard(sample_id)
         group.discarded.add(sample_id)
         self.discarded[reason] += 1

@@ -1,0 +1,114 @@
+"""Prompt sources for the trainer's controller: built-in synthetic tasks, JSONL and Parquet files, and
+Hugging Face `datasets` when installed. Each row becomes a PromptRecord with token ids.
+
+A source has a position (prompts consumed so far) that checkpoints store, so `--resume` continues at
+the same prompt. Prompts whose tokens leave no room for max_new_tokens in the model's context are
+skipped and counted (`skipped_too_long`), never handed out. Test: pytest tests/engine/test_data.py
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.config import DataConfig
+from engine.trainer.controller import PromptRecord
+
+
+def _rows_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"data.source: {path}:{line_no}: not JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"data.source: {path}:{line_no}: each line must be a JSON object")
+            yield row
+
+
+def _rows_parquet(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError("data.source: Parquet files need pyarrow: pip install 'tailrace[parquet]'") from None
+    table = pq.read_table(path)
+    yield from table.to_pylist()
+
+
+def _rows_hf(spec: str) -> Iterator[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("data.source: hf:NAME needs the `datasets` package: pip install datasets") from None
+    name, _, split = spec.partition(":")
+    yield from datasets.load_dataset(name, split=split or "train")
+
+
+def file_rows(cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    if cfg.source.startswith("hf:"):
+        return _rows_hf(cfg.source[3:])
+    path = Path(cfg.source)
+    if not path.is_file():
+        raise ValueError(f"data.source: {cfg.source!r} is not 'synthetic', 'hf:NAME' or an existing file")
+    if path.suffix == ".jsonl":
+        return _rows_jsonl(path)
+    if path.suffix == ".parquet":
+        return _rows_parquet(path)
+    raise ValueError(f"data.source: {path.name}: expected a .jsonl or .parquet file")
+
+
+def _scalar_metadata(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
+    return {k: v for k, v in row.items()
+            if k != prompt_field and (v is None or isinstance(v, str | int | float | bool))}
+
+
+class PromptSource:
+    """Iterator of PromptRecord from the configured source, starting at `position`."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, position: int = 0):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.position = position
+        self.skipped_too_long = 0
+        self._rows = self._make_rows()
+
+    def _make_rows(self) -> Iterator[dict[str, Any]]:
+        if self.cfg.source == "synthetic":
+            from engine.tasks import synthetic_prompts
+
+            for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
+                yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
+            return
+        rows = file_rows(self.cfg)
+        for _ in range(self.position):  # files have no random access in general; skip what was used
+            next(rows, None)
+        yield from rows
+
+    def __iter__(self) -> PromptSource:
+        return self
+
+    def __next__(self) -> PromptRecord:
+        while True:
+            row = next(self._rows)  # StopIteration ends the source
+            index = self.position
+            self.position += 1
+            text = row.get(self.cfg.prompt_field)
+            if not isinstance(text, str):
+                raise ValueError(f"data: row {index} has no string field {self.cfg.prompt_field!r} "
+                                 f"(set data.prompt_field)")
+            token_ids = self.tokenizer.encode(text)
+            if len(token_ids) > self.max_prompt_tokens:
+                self.skipped_too_long += 1
+                continue
+            task = row.get("task") if isinstance(row.get("task"), str) else self.cfg.task
+            metadata = _scalar_metadata(row, self.cfg.prompt_field)
+            if self.cfg.answer_field in row and self.cfg.answer_field != "answer":
+                metadata["answer"] = row[self.cfg.answer_field]
+            metadata["task"] = task
+            return PromptRecord(index, list(token_ids), text, task, metadata)

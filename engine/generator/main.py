@@ -1,0 +1,33 @@
+"""Entry point of `tailrace generator`: parse the config, then import torch and run the generator.
+
+Run: tailrace generator --connect tcp://127.0.0.1:5555 [--config FILE] [--generator.max_batch_size 16]
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.config import load_config
+
+
+def main(args: Any, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
+    import torch
+
+    from engine.generator.service import GeneratorService
+    from protocol.transport import ConnectionLost, run
+
+    torch.set_num_threads(cfg.launch.torch_threads)
+    key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
+    service = GeneratorService(cfg, args.connect, name=args.name, curve_server_key=key)
+    try:
+        reason = run(service.run())
+    except ConnectionLost as exc:
+        print(f"tailrace generator: lost the trainer at {args.connect}: {exc}", file=sys.stderr)
+        return 1
+    logging.getLogger("tailrace.generator").info("stopped: %s", reason)
+    return 0

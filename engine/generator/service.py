@@ -1,0 +1,271 @@
+"""The generator process: pulls work from the trainer, samples on the torch backend, streams each
+finished sample at once, and takes new weights between decode steps.
+
+    recv loop   consumes Work / Cancel / WeightsNotice / WeightsChunk / Shutdown / Error from the trainer
+                into GenState (bounded: work only arrives as answers to our own WorkRequests)
+    main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
+                request work > decode one step (in a worker thread) > wait for the recv loop
+    stats loop  sends Stats every trainer stats interval
+
+`decide` is pure and tested on CPU with fakes (tests/engine/test_generator_decide.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import RunConfig
+from engine.weights import WeightsAssembler
+from protocol import messages as m
+
+log = logging.getLogger("tailrace.generator")
+
+
+class Action(enum.Enum):
+    SHUTDOWN = "shutdown"
+    SWAP_WEIGHTS = "swap_weights"
+    ADMIT = "admit"
+    REQUEST_WORK = "request_work"
+    DECODE = "decode"
+    WAIT = "wait"
+
+
+@dataclass
+class GenState:
+    """What the main loop decides on. Mutated only by the event loop thread."""
+
+    policy_version: int = 0
+    shutdown: str | None = None
+    ready_weights: tuple[int, dict] | None = None  # (version, state dict) fully fetched
+    pending_items: collections.deque = field(default_factory=collections.deque)  # WorkItems not admitted
+    request_outstanding: bool = False
+    exhausted: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    capacity: int = 0
+    in_flight_update: bool = True
+    cancel_groups: set = field(default_factory=set)  # applied by the main loop between decode steps
+
+
+def decide(s: GenState) -> Action:
+    if s.shutdown is not None:
+        return Action.SHUTDOWN
+    if s.ready_weights is not None and (s.in_flight_update or s.num_running == 0):
+        return Action.SWAP_WEIGHTS
+    if s.pending_items and s.pending_items[0].min_policy_version <= s.policy_version and \
+            s.capacity >= 1 and (s.in_flight_update or s.ready_weights is None):
+        return Action.ADMIT
+    pending_samples = sum(item.num_samples for item in s.pending_items)
+    if not s.request_outstanding and not s.exhausted and s.capacity - pending_samples > 0:
+        return Action.REQUEST_WORK
+    if s.num_running or s.num_waiting:
+        return Action.DECODE
+    return Action.WAIT
+
+
+class GeneratorService:
+    def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None):
+        import torch
+
+        from engine import models
+        from engine.generator.backend import TorchBackend
+
+        self.cfg = cfg
+        self.address = address
+        self.name = name or f"gen-{os.getpid()}"
+        self.curve_server_key = curve_server_key
+        model_path = cfg.model.path or "tiny"
+        tokenizer = models.load_tokenizer(model_path)
+        model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        max_len = model.config.max_position_embeddings
+        self.backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
+                                    eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device)
+        self.torch = torch
+        self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
+        self.assembler: WeightsAssembler | None = None
+        self.wakeup = asyncio.Event()
+        self.client: Any = None
+        self.status = "starting"
+        self.samples_sent = 0
+        self.tokens_sent = 0
+        self.items_rejected = 0
+        self.started_s = time.monotonic()
+
+    async def run(self) -> str:
+        from protocol.transport import Client
+
+        caps = {"backend": "torch", "vocab_size": self.vocab_size, "max_model_len": self.backend.max_model_len}
+        self.client = Client(self.address, role="generator", name=self.name,
+                             max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
+                             curve_server_key=self.curve_server_key)
+        async with self.client:
+            welcome = await self.client.connect(timeout_s=60.0)
+            log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
+            recv = asyncio.create_task(self.recv_loop(), name="recv")
+            stats = asyncio.create_task(self.stats_loop(), name="stats")
+            try:
+                await self.main_loop(recv)
+            finally:
+                for task in (recv, stats):
+                    task.cancel()
+                await asyncio.gather(recv, stats, return_exceptions=True)
+        return self.state.shutdown or ""
+
+    def refresh(self) -> None:
+        s, b = self.state, self.backend
+        if s.cancel_groups:
+            b.cancel(s.cancel_groups)
+            s.cancel_groups = set()
+        s.num_running, s.num_waiting, s.capacity = b.num_running, b.num_waiting, b.capacity()
+        s.policy_version = b.policy_version
+
+    async def main_loop(self, recv: asyncio.Task) -> None:
+        sleep_s = self.cfg.generator.decode_sleep_s
+        while True:
+            if recv.done():
+                recv.result()  # surface a dead connection or a bug in the recv loop
+            self.refresh()
+            action = decide(self.state)
+            if action is Action.SHUTDOWN:
+                self.status = "stopping"
+                return
+            if action is Action.SWAP_WEIGHTS:
+                self.status = "syncing_weights"
+                version, tensors = self.state.ready_weights
+                self.state.ready_weights = None
+                self.backend.update_weights(tensors, version)
+            elif action is Action.ADMIT:
+                for error in self.admit(self.state.pending_items.popleft()):
+                    await self.client.send(error)
+            elif action is Action.REQUEST_WORK:
+                pending = sum(item.num_samples for item in self.state.pending_items)
+                self.state.request_outstanding = True
+                await self.client.send(m.WorkRequest(capacity=self.state.capacity - pending,
+                                                     policy_version=self.backend.policy_version))
+            elif action is Action.DECODE:
+                self.status = "generating"
+                finished = await asyncio.to_thread(self.backend.step)
+                if sleep_s:
+                    await asyncio.sleep(sleep_s)
+                for done in finished:
+                    await self.send_rollout(done)
+            else:
+                self.status = "idle"
+                self.wakeup.clear()
+                await self.wakeup.wait()
+
+    def admit(self, item: m.WorkItem) -> list[m.Rollout]:
+        """Queue the item's samples; if the backend refuses them (e.g. a prompt too long for this
+        model), answer each with an "error" rollout so the trainer counts them instead of waiting."""
+        from engine.generator.backend import requests_for
+
+        try:
+            for request in requests_for(item):  # all share the prompt: the first add fails or none does
+                self.backend.add(request)
+            return []
+        except ValueError as exc:
+            self.items_rejected += 1
+            log.error("work item for group %d rejected: %s", item.group_id, exc)
+        torch = self.torch
+        empty_i, empty_f = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.float32)
+        prompt = torch.tensor(item.prompt_token_ids, dtype=torch.int32)
+        version = self.backend.policy_version
+        return [m.Rollout(group_id=item.group_id, sample_id=item.first_sample_id + i, prompt_token_ids=prompt,
+                          completion_token_ids=empty_i, behaviour_logprobs=empty_f, policy_versions=empty_i,
+                          min_policy_version=version, max_policy_version=version, finish_reason="error",
+                          finished_wall_s=time.time())
+                for i in range(item.num_samples)]
+
+    async def send_rollout(self, done: Any) -> None:
+        if done.finish_reason == "cancelled":
+            return
+        torch = self.torch
+        versions = done.policy_versions.to(torch.int32)
+        msg = m.Rollout(group_id=done.group_id, sample_id=done.sample_id,
+                        prompt_token_ids=torch.tensor(done.prompt_ids, dtype=torch.int32),
+                        completion_token_ids=done.completion_ids.to(torch.int32),
+                        behaviour_logprobs=done.behaviour_logprobs, policy_versions=versions,
+                        min_policy_version=int(versions.min()), max_policy_version=int(versions.max()),
+                        finish_reason=done.finish_reason, queue_s=done.queue_s, decode_s=done.decode_s,
+                        finished_wall_s=time.time())
+        await self.client.send(msg)
+        self.samples_sent += 1
+        self.tokens_sent += len(done.completion_ids)
+
+    # ------------------------------------------------------------------------------------ receive
+
+    async def recv_loop(self) -> None:
+        while True:
+            msg = await self.client.recv()
+            if isinstance(msg, m.Work):
+                self.state.request_outstanding = False
+                self.state.exhausted = msg.exhausted
+                self.state.pending_items.extend(msg.items)
+            elif isinstance(msg, m.Cancel):
+                groups = set(msg.group_ids)
+                self.state.pending_items = collections.deque(
+                    i for i in self.state.pending_items if i.group_id not in groups)
+                self.state.cancel_groups |= groups  # the backend may be mid-step in its thread
+            elif isinstance(msg, m.WeightsNotice):
+                await self.on_notice(msg)
+            elif isinstance(msg, m.WeightsChunk):
+                await self.on_chunk(msg)
+            elif isinstance(msg, m.Shutdown):
+                self.state.shutdown = msg.reason or "trainer shut down"
+            elif isinstance(msg, m.Error):
+                log.warning("trainer reported error %d: %s", msg.code, msg.text)
+                if msg.ref_kind == m.WeightsFetch.KIND:
+                    self.assembler = None  # that version is gone; a newer notice follows
+            self.wakeup.set()
+
+    async def on_notice(self, notice: m.WeightsNotice) -> None:
+        if notice.model != "policy" or notice.version <= self.backend.policy_version:
+            return
+        if self.assembler is not None and self.assembler.notice.version >= notice.version:
+            return
+        self.assembler = WeightsAssembler(notice)
+        if notice.num_chunks == 0:
+            return
+        await self.client.send(m.WeightsFetch(model="policy", version=notice.version, chunk_index=0))
+
+    async def on_chunk(self, chunk: m.WeightsChunk) -> None:
+        if self.assembler is None or chunk.version != self.assembler.notice.version:
+            return  # a chunk of a version we gave up on
+        tensors = self.assembler.add(chunk)
+        if tensors is None:
+            await self.client.send(m.WeightsFetch(model="policy", version=chunk.version,
+                                                  chunk_index=self.assembler.next_index()))
+            return
+        self.state.ready_weights = (chunk.version, tensors)
+        self.assembler = None
+
+    # ------------------------------------------------------------------------------------ telemetry
+
+    async def stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            b = self.backend.stats
+            elapsed = time.monotonic() - self.started_s
+            counters = {
+                "generator/queue/running": self.backend.num_running,
+                "generator/queue/waiting": self.backend.num_waiting,
+                "generator/queue/pending_items": len(self.state.pending_items),
+                "generator/samples/sent": self.samples_sent,
+                "generator/tokens/generated": b.num_generated_tokens,
+                "generator/throughput/tokens_per_s": b.tokens_per_s,
+                "generator/throughput/wall_tokens_per_s": b.num_generated_tokens / max(elapsed, 1e-9),
+                "generator/time/busy_s": b.prefill_s + b.decode_s,
+                "generator/time/wall_s": elapsed,
+                "generator/work/items_rejected": self.items_rejected,
+            }
+            await self.client.send(m.Stats(role="generator", name=self.name, state=self.status,
+                                           policy_version=self.backend.policy_version, counters=counters,
+                                           wall_s=time.time()))

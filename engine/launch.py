@@ -1,0 +1,228 @@
+"""`tailrace run`: a trainer, launch.num_generators generators and a reward server as separate OS
+processes on this machine over loopback, supervised, with progress bars.
+
+    supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
+                     generator or reward server stops the run (SIGINT to the trainer, which
+                     checkpoints and shuts its peers down) or is restarted, by launch.on_child_crash
+    progress loop    a read-only tool connection on the trainer's notice socket renders Stats as bars
+    Ctrl-C           forwarded to the trainer only (children run in their own sessions), which finishes
+                     its step, checkpoints and sends Shutdown; stragglers are terminated, then killed
+
+Every child's output goes to runs/<name>/logs/<child>.log. Test: pytest tests/engine/test_end_to_end.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import RunConfig, TrainerConfig, load_config, to_toml
+
+STARTUP_TIMEOUT_S = 180.0
+STOP_GRACE_S = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self, env: dict[str, str]) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _child_env(cfg: RunConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(cfg.launch.torch_threads)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    return env
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, config_path: Path, run_dir: Path, *, resume: bool, progress: bool):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.config_path = config_path
+        self.resume = resume
+        self.progress = progress
+        self.env = _child_env(cfg)
+        self.children: list[Child] = []
+        self.stop_reason = ""
+        self.failed = False
+
+    def cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "engine.cli", *args]
+
+    def start_trainer(self) -> tuple[Child, dict[str, Any]]:
+        endpoint = self.run_dir / "endpoint.json"
+        endpoint.unlink(missing_ok=True)
+        argv = self.cli("trainer", "--config", str(self.config_path), *(["--resume"] if self.resume else []))
+        trainer = Child("trainer", argv, self.run_dir / "logs" / "trainer.log")
+        trainer.start(self.env)
+        self.children.append(trainer)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not endpoint.is_file():
+            if not trainer.alive():
+                raise RuntimeError(f"the trainer exited during start-up (code {trainer.proc.returncode}):\n"
+                                   f"{trainer.tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s:\n{trainer.tail()}")
+            time.sleep(0.1)
+        return trainer, json.loads(endpoint.read_text())
+
+    def start_peers(self, address: str) -> None:
+        logs = self.run_dir / "logs"
+        for i in range(self.cfg.launch.num_generators):
+            argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path))
+            self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
+        if self.cfg.launch.reward_server:
+            argv = self.cli("reward", "--connect", address, "--fn", "engine.tasks:score", "--name", "reward-0")
+            self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
+        for child in self.children[1:]:
+            child.start(self.env)
+
+    def supervise_once(self, trainer: Child) -> bool:
+        """One supervision pass; False when the run is over."""
+        if not trainer.alive():
+            if trainer.proc.returncode != 0:
+                self.failed = True
+                print(f"\ntailrace run: the trainer exited with code {trainer.proc.returncode}:\n{trainer.tail()}",
+                      file=sys.stderr)
+            return False
+        for child in self.children[1:]:
+            if child.alive() or child.proc.returncode == 0:
+                continue
+            code = child.proc.returncode
+            if self.cfg.launch.on_child_crash == "restart" and child.restarts < self.cfg.launch.max_restarts:
+                child.restarts += 1
+                print(f"\ntailrace run: {child.name} crashed (code {code}); restart {child.restarts}/"
+                      f"{self.cfg.launch.max_restarts}. Log tail:\n{child.tail(8)}", file=sys.stderr)
+                child.start(self.env)
+            elif not self.stop_reason:
+                self.failed = True
+                self.stop_reason = f"{child.name} crashed with code {code}"
+                print(f"\ntailrace run: {child.name} crashed (code {code}); stopping the run. Log tail:\n"
+                      f"{child.tail()}", file=sys.stderr)
+                trainer.proc.send_signal(signal.SIGINT)
+        return True
+
+    def stop_all(self) -> None:
+        """Everything we started ends: polite first (the trainer's Shutdown reaches its peers), then
+        SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            for child in self.children:
+                if child.alive() and sig is not None:
+                    child.proc.send_signal(sig)
+            while any(c.alive() for c in self.children) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not any(c.alive() for c in self.children):
+                return
+            deadline = time.monotonic() + 5.0
+        for child in self.children:
+            if child.proc is not None:
+                child.proc.wait()
+
+
+async def _progress(address: str, total_steps: int, done: asyncio.Event) -> None:
+    """Bars from the trainer's Stats: steps (with reward and staleness) and generated tokens/s."""
+    from tqdm import tqdm
+
+    from protocol import messages as m
+    from protocol.transport import Client
+
+    async with Client(address, role="tool", name=f"run-progress-{os.getpid()}") as client:
+        await client.connect(timeout_s=30.0)
+        await client.subscribe()
+        steps = tqdm(total=total_steps, desc="steps", unit="step", dynamic_ncols=True)
+        throughput: dict[str, float] = {}
+        try:
+            while not done.is_set():
+                try:
+                    msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
+                except TimeoutError:
+                    continue
+                if isinstance(msg, m.Stats) and msg.role == "generator":
+                    throughput[msg.name] = msg.counters.get("generator/throughput/wall_tokens_per_s", 0.0)
+                elif isinstance(msg, m.Stats) and msg.role == "trainer":
+                    c = msg.counters
+                    steps.update(int(c.get("trainer/step", 0)) - steps.n)
+                    steps.set_postfix(reward=f"{c.get('trainer/reward/last', float('nan')):.3f}",
+                                      staleness=int(c.get("trainer/controller/max_staleness_seen", 0)),
+                                      tok_s=f"{sum(throughput.values()):.0f}", version=msg.policy_version,
+                                      refresh=False)
+                    steps.refresh()
+        finally:
+            steps.close()
+
+
+async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
+    done = asyncio.Event()
+    progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done)) if launcher.progress else None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, lambda: trainer.alive() and trainer.proc.send_signal(signal.SIGINT))
+    try:
+        while launcher.supervise_once(trainer):
+            if progress is not None and progress.done() and progress.exception() is not None:
+                print(f"tailrace run: progress display failed: {progress.exception()}", file=sys.stderr)
+                progress = None
+            await asyncio.sleep(0.2)
+    finally:
+        done.set()
+        if progress is not None:
+            await asyncio.gather(progress, return_exceptions=True)
+
+
+def main(args: Any, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    if cfg.trainer.bind == TrainerConfig().bind and not any(o.startswith("--trainer.bind") for o in overrides):
+        cfg.trainer.bind = "tcp://127.0.0.1:0"  # a free port: several runs can share a machine
+    if not cfg.trainer.run_name:
+        cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "launch.toml"
+    config_path.write_text(to_toml(cfg))
+    from protocol.transport import run
+
+    launcher = Launcher(cfg, config_path, run_dir, resume=args.resume, progress=not args.no_progress)
+    print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")
+    try:
+        trainer, endpoint = launcher.start_trainer()
+        print(f"tailrace run: trainer at {endpoint['address']}; starting {cfg.launch.num_generators} generators"
+              + (" and a reward server" if cfg.launch.reward_server else ""))
+        launcher.start_peers(endpoint["address"])
+        run(_run_async(launcher, trainer, endpoint["address"]))
+    except RuntimeError as exc:
+        print(f"tailrace run: {exc}", file=sys.stderr)
+        launcher.failed = True
+    finally:
+        launcher.stop_all()
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        print("tailrace run: " + json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
+    return 1 if launcher.failed else 0

@@ -1,0 +1,45 @@
+"""Entry point of `tailrace reward`: serve a user's Python function as a reward server.
+
+Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn engine.tasks:score [--tasks reverse,copy]
+The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_function(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--fn {spec!r}: expected module:function, e.g. engine.tasks:score")
+    sys.path.insert(0, str(Path.cwd()))  # user modules next to where they run the command
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--fn {spec!r}: cannot import {module_name}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--fn {spec!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def main(args: Any, overrides: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
+    from protocol.reward import serve
+    from protocol.transport import ConnectionLost, run
+
+    fn = load_function(args.fn)
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) or ("*",)
+    key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
+    try:
+        run(serve(fn, args.connect, tasks=tasks, name=args.name or None, max_concurrency=args.max_concurrency,
+                  timeout_s=args.timeout_s, curve_server_key=key))
+    except ConnectionLost as exc:
+        print(f"tailrace reward: lost the trainer at {args.connect}: {exc}", file=sys.stderr)
+        return 1
+    return 0

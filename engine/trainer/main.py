@@ -1,0 +1,33 @@
+"""Entry point of `tailrace trainer`: parse the config, then import torch and run the trainer service.
+
+Run: tailrace trainer --config examples/tiny.toml [--train.steps 10] [--resume]
+Under torchrun every rank builds the learner; rank 0 alone speaks the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from engine.config import load_config
+
+
+def main(args: Any, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    import torch
+
+    from engine.trainer import dist
+    from engine.trainer.service import TrainerService
+    from protocol.transport import run
+
+    torch.set_num_threads(cfg.launch.torch_threads)
+    info = dist.init_from_env()
+    if info.world_size > 1:
+        raise ValueError("multi-rank training is not wired into the trainer service yet: run one rank "
+                         "(the learner and engine/trainer/dist.py are ready for it)")
+    service = TrainerService(cfg, resume=args.resume)
+    summary = run(service.run())
+    print(json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
+    return 0

@@ -1,0 +1,82 @@
+"""Scoring completions on the trainer: attached reward servers for the tasks they register, built-in
+reward functions (engine/tasks.py) for the rest.
+
+    reward.mode = "auto":    a server that scores the task if one is attached, else the built-in function
+    reward.mode = "servers": only servers; a completion waits up to reward.wait_for_server_s for one
+    reward.mode = "builtin": only built-in functions
+
+A completion that cannot be scored raises ScoringFailed with the reason the controller counts it
+under (reward_error, reward_timeout, reward_nan, no_reward_fn). Test: pytest tests/engine/test_rewards.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import RewardConfig
+
+
+class ScoringFailed(Exception):
+    def __init__(self, reason: str, text: str):
+        super().__init__(f"{reason}: {text}")
+        self.reason = reason
+        self.text = text
+
+
+class RewardDispatcher:
+    """`router` is the trainer-side client of reward servers (protocol.reward.RewardRouter) or None."""
+
+    def __init__(self, cfg: RewardConfig, router: Any = None,
+                 builtin: dict[str, Callable[..., float]] | None = None):
+        self.cfg = cfg
+        self.router = router
+        if builtin is None:
+            from engine.tasks import REWARD_FNS
+
+            builtin = REWARD_FNS
+        self.builtin = builtin if cfg.mode != "servers" else {}
+
+    def _has_server(self, task: str) -> bool:
+        return self.router is not None and self.router.has_server(task)
+
+    async def score(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+        if self.cfg.mode != "builtin":
+            deadline = time.monotonic() + (self.cfg.wait_for_server_s if self.cfg.mode == "servers" else 0.0)
+            while not self._has_server(task) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._has_server(task):
+                return await self._score_remote(task, prompt, completion, metadata)
+        fn = self.builtin.get(task)
+        if fn is None:
+            where = "no reward server scores it" if self.cfg.mode != "builtin" else "no built-in function"
+            raise ScoringFailed("no_reward_fn", f"task {task!r}: {where}")
+        try:
+            reward = fn(prompt, completion, metadata)
+        except Exception as exc:  # a user-visible reward bug must not stop the run
+            raise ScoringFailed("reward_error", f"{type(exc).__name__}: {exc}") from exc
+        return _check_reward(reward)
+
+    async def _score_remote(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+        from protocol.reward import RewardUnavailable, ScoreFailed
+
+        try:
+            score = await self.router.score(task, prompt, completion, metadata, timeout_s=self.cfg.timeout_s,
+                                            retries=self.cfg.retries)
+        except ScoreFailed as exc:
+            reason = "reward_timeout" if getattr(exc, "code", 0) == 504 else "reward_error"
+            raise ScoringFailed(reason, str(exc)) from exc
+        except RewardUnavailable as exc:
+            raise ScoringFailed("no_reward_fn", str(exc)) from exc
+        return _check_reward(score.reward)
+
+
+def _check_reward(reward: Any) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise ScoringFailed("reward_error", f"reward must be a number, got {type(reward).__name__}")
+    if not math.isfinite(reward):
+        raise ScoringFailed("reward_nan", f"reward is {reward}")
+    return float(reward)

@@ -1,0 +1,456 @@
+"""The trainer process: owns the run, speaks the protocol, and learns.
+
+    net loop    consumes Hello/WorkRequest/Rollout/WeightsFetch/Stats/Event from the ROUTER socket;
+                parks work requests the staleness gate refuses; scores rollouts as tasks
+    train loop  waits for controller.pop_batch() (unblocked by scored samples), runs learner.step in a
+                worker thread (the event loop keeps serving meanwhile), then publishes version V+1
+                (WeightsNotice to generators and on the notice socket) and serves parked requests
+    stats loop  publishes the trainer's Stats every trainer.stats_interval_s
+
+Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
+protocol (engine/trainer/dist.py). Test: pytest tests/engine/test_end_to_end.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import models
+from engine.config import RunConfig, to_toml
+from engine.data import PromptSource
+from engine.metrics import make_sink
+from engine.samples import Group, TrainSample
+from engine.trainer import checkpoint
+from engine.trainer.controller import Controller, GroupState, PromptRecord
+from engine.trainer.learner import Learner, LearnerConfig
+from engine.trainer.loss import LossConfig
+from engine.trainer.rewards import RewardDispatcher, ScoringFailed
+from engine.weights import WeightsStore
+from protocol import messages as m
+
+log = logging.getLogger("tailrace.trainer")
+
+
+def learner_config(cfg: RunConfig) -> LearnerConfig:
+    t = cfg.train
+    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap,
+                      kl_coef=t.kl_coef, aggregation=t.loss_agg, scale_advantages=t.adv_norm_std)
+    return LearnerConfig(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                         micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss)
+
+
+def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
+    name = cfg.trainer.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.runs_dir) / name
+    if resume and not (run_dir / "checkpoint").is_dir():
+        raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    return run_dir
+
+
+class TrainerService:
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir or make_run_dir(cfg, resume)
+        self.run_id = self.run_dir.name
+        model_path = cfg.model.path or "tiny"
+        self.tokenizer = models.load_tokenizer(model_path)
+        model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+        model.train()
+        ref = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device) \
+            if cfg.train.kl_coef > 0 else None
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_model_len = model.config.max_position_embeddings
+        self.learner = Learner(model, learner_config(cfg), ref_model=ref)
+        state: dict[str, Any] = {}
+        if resume:
+            state = checkpoint.load(checkpoint.latest(self.run_dir / "checkpoint"), self.learner)
+        position = state.get("data_position", {})
+        counters = state.get("counters", {})
+        max_prompt = cfg.data.max_prompt_tokens or self.max_model_len - cfg.sampling.max_new_tokens
+        if max_prompt < 1:
+            raise ValueError(f"sampling.max_new_tokens {cfg.sampling.max_new_tokens} leaves no room for a "
+                             f"prompt in the model's context of {self.max_model_len} tokens")
+        self.source = PromptSource(cfg.data, self.tokenizer, max_prompt_tokens=max_prompt,
+                                   position=position.get("prompts_consumed", 0))
+        self.controller = Controller(self.source, group_size=cfg.sampling.group_size,
+                                     groups_per_step=cfg.train.groups_per_step,
+                                     max_staleness=cfg.controller.max_staleness,
+                                     max_groups_in_flight=cfg.controller.max_groups_in_flight,
+                                     policy_version=self.learner.policy_version,
+                                     groups_admitted=position.get("groups_admitted", 0))
+        self.controller.samples_handed_out = counters.get("samples_handed_out", 0)
+        self.controller.samples_trained = counters.get("samples_trained", 0)
+        self.controller.discarded.update(counters.get("discarded", {}))
+        self.controller.max_staleness_seen = counters.get("max_staleness_seen", 0)
+        self.step_rewards: list[float] = counters.get("step_rewards", [])
+        self.wall_s_before = counters.get("wall_s", 0.0)
+        self.store = WeightsStore(cfg.trainer.weights_chunk_bytes)
+        self.sink = make_sink(self.run_dir)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.state = "starting"
+        self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
+        self.peer_stats: dict[str, m.Stats] = {}
+        self.changed = asyncio.Event()
+        self.stop_requested = False
+        self.stop_reason = ""
+        self.server: Any = None
+        self.rewards: RewardDispatcher | None = None
+        self.scoring: set[asyncio.Task] = set()
+        self.started_s = time.monotonic()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_requested:
+            log.info("stopping: %s", reason)
+            self.stop_requested, self.stop_reason = True, reason
+            self.changed.set()
+
+    async def run(self) -> dict[str, Any]:
+        from protocol.reward import RewardRouter
+        from protocol.transport import Server
+
+        cfg = self.cfg.trainer
+        self.server = Server(cfg.bind, run_id=self.run_id, credits=cfg.credits,
+                             heartbeat_interval_s=cfg.heartbeat_interval_s,
+                             missed_heartbeats=cfg.missed_heartbeats, accept=self.accept,
+                             policy_version=lambda: self.learner.policy_version,
+                             curve_secret_key=_read_key(cfg.curve_secret_key_file))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+        async with self.server:
+            self.rewards = RewardDispatcher(self.cfg.reward, RewardRouter(self.server))
+            self.store.publish("policy", self.learner.policy_version, self.learner.state_dict_for_broadcast())
+            (self.run_dir / "endpoint.json").write_text(json.dumps(
+                {"address": self.server.address, "notice_address": self.server.notice_address,
+                 "pid": os.getpid()}))
+            log.info("trainer listening on %s (run %s)", self.server.address, self.run_id)
+            self.state = "idle"
+            net = asyncio.create_task(self.net_loop(), name="net")
+            stats = asyncio.create_task(self.stats_loop(), name="stats")
+            try:
+                await self.train_loop()
+            finally:
+                await self.shutdown_peers()
+                for task in (net, stats, *self.scoring):
+                    task.cancel()
+                await asyncio.gather(net, stats, *self.scoring, return_exceptions=True)
+                summary = self.finish()
+        return summary
+
+    def accept(self, hello: m.Hello) -> m.Reject | None:
+        if hello.role == "generator":
+            vocab = hello.capabilities.get("vocab_size")
+            if vocab is not None and vocab != self.vocab_size:
+                return m.Reject(code=m.ErrorCode.UNAUTHORIZED, text=(
+                    f"generator {hello.name!r} announced vocab_size {vocab}, but the trained model has "
+                    f"{self.vocab_size}: it must load the same model (model.path)"))
+        return None
+
+    # ------------------------------------------------------------------------------------ train loop
+
+    async def train_loop(self) -> None:
+        total = self.cfg.train.steps
+        while self.learner.step_count < total and not self.stop_requested:
+            batch = self.controller.pop_batch()
+            if batch is None and self.controller.exhausted and not self.controller.groups:
+                batch = self.controller.pop_final() or None
+                if batch is None:
+                    self.request_stop("prompts exhausted")
+                    break
+            if batch is None:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            await self.train_step(batch)
+        if self.learner.step_count >= total:
+            self.stop_reason = self.stop_reason or f"reached train.steps = {total}"
+
+    async def train_step(self, batch: list[GroupState]) -> None:
+        version = self.learner.policy_version
+        groups = [_to_group(g) for g in batch]
+        self.state = "training"
+        started = time.monotonic()
+        metrics = await asyncio.to_thread(self.learner.step, groups)
+        self.controller.on_trained(batch, version)
+        rewards = [s.reward for g in groups for s in g.samples]
+        self.step_rewards.append(statistics.fmean(rewards))
+        staleness = [version - s.min_policy_version for g in groups for s in g.samples]
+        metrics |= {
+            "trainer/reward/mean": self.step_rewards[-1],
+            "trainer/step/seconds": time.monotonic() - started,
+            "trainer/staleness/max": max(staleness),
+            "trainer/staleness/mean": statistics.fmean(staleness),
+            "trainer/batch/groups": len(groups),
+            "trainer/batch/samples": len(rewards),
+            "trainer/batch/completion_tokens": sum(g.num_completion_tokens for g in groups),
+            "trainer/policy_version": self.learner.policy_version,
+        } | self.controller.stats()
+        self.sink.log(self.learner.step_count, metrics)
+        self.last_metrics = metrics
+        self.state = "syncing_weights"
+        await self.publish_weights()
+        every = self.cfg.checkpoint.every_steps
+        if every and self.learner.step_count % every == 0:
+            self.save_checkpoint()
+        self.state = "idle"
+
+    async def publish_weights(self) -> None:
+        version = self.learner.policy_version
+        notice = self.store.publish("policy", version, self.learner.state_dict_for_broadcast())
+        self.controller.on_new_version(version)
+        for peer in list(self.server.peers.values()):
+            if peer.role == "generator":
+                await self.server.send(peer.id, notice)
+        await self.server.publish(notice)
+        await self.serve_parked()
+
+    # ------------------------------------------------------------------------------------ net loop
+
+    async def net_loop(self) -> None:
+        while True:
+            peer, msg = await self.server.recv()
+            if msg is None:  # a lifecycle event: peer joined, left or dead
+                await self.on_peer_event(peer)
+                continue
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                self.counters[f"unexpected/{type(msg).__name__}"] += 1
+                await self.server.send(peer.id, m.Error(code=m.ErrorCode.UNSUPPORTED, ref_kind=msg.KIND,
+                                                        text=f"the trainer does not serve {type(msg).__name__}"))
+                continue
+            await handler(self, peer, msg)
+
+    async def on_peer_event(self, peer: Any) -> None:
+        event = peer.event
+        if event == "joined":
+            await self.server.publish(self.event("peer_joined", f"{peer.role} {peer.name} joined",
+                                                 peer=peer.name, role=peer.role))
+            latest = self.store.latest("policy")
+            if peer.role == "generator" and latest is not None and latest.version > 0:
+                await self.server.send(peer.id, latest)
+            return
+        self.parked.pop(peer.id, None)
+        self.peer_stats.pop(peer.name, None)
+        if peer.role == "generator":
+            requeued = self.controller.on_generator_dead(peer.name)
+            lost = sum(r.num_samples for r in requeued)
+            if lost:
+                log.warning("generator %s %s with %d samples in flight: re-dispatching them", peer.name, event, lost)
+            await self.serve_parked()
+        await self.server.publish(self.event(f"peer_{event}", f"{peer.role} {peer.name} {event}",
+                                             peer=peer.name, role=peer.role))
+        self.changed.set()
+
+    async def on_work_request(self, peer: Any, msg: m.WorkRequest) -> None:
+        if peer.role != "generator":
+            return await self.reply_error(peer, msg, m.ErrorCode.UNAUTHORIZED, "only generators request work")
+        self.parked.pop(peer.id, None)
+        await self.answer_work(peer, msg.capacity)
+
+    async def answer_work(self, peer: Any, capacity: int) -> None:
+        decision = self.controller.request_work(peer.name, capacity)
+        if decision is None:
+            self.parked[peer.id] = capacity
+            return
+        s = self.cfg.sampling
+        sampling = m.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    max_new_tokens=s.max_new_tokens,
+                                    stop_token_ids=[self.tokenizer.eos_token_id]
+                                    if self.tokenizer.eos_token_id is not None else [])
+        items = [m.WorkItem(group_id=r.group_id, prompt_token_ids=prompt.token_ids, num_samples=r.num_samples,
+                            first_sample_id=r.first_sample_id, sampling=sampling, task=prompt.task,
+                            min_policy_version=version)
+                 for prompt, r, version in decision.items]
+        await self.server.send(peer.id, m.Work(items=items, exhausted=decision.exhausted))
+
+    async def serve_parked(self) -> None:
+        for peer_id, capacity in list(self.parked.items()):
+            peer = self.server.peers.get(peer_id)
+            if peer is None:
+                self.parked.pop(peer_id, None)
+                continue
+            if self.controller.request_work_possible():
+                del self.parked[peer_id]
+                await self.answer_work(peer, capacity)
+
+    async def on_rollout(self, peer: Any, msg: m.Rollout) -> None:
+        reason = self.controller.check_rollout(peer.name, msg.group_id, msg.sample_id)
+        if reason is not None:
+            self.counters[f"rollouts_dropped/{reason}"] += 1
+            return
+        group = self.controller.groups[msg.group_id]
+        problem = self.check_rollout_content(group, msg)
+        self.controller.on_received(msg.group_id, msg.sample_id)
+        if problem is not None:
+            reason, text = problem
+            log.warning("rollout %d/%d from %s discarded: %s", msg.group_id, msg.sample_id, peer.name, text)
+            self.controller.on_discard(msg.group_id, msg.sample_id, reason)
+            self.changed.set()
+            return
+        task = asyncio.create_task(self.score(group.prompt, msg))
+        self.scoring.add(task)
+        task.add_done_callback(self.scoring.discard)
+
+    def check_rollout_content(self, group: GroupState, msg: m.Rollout) -> tuple[str, str] | None:
+        num = msg.completion_token_ids.shape[0]
+        if msg.finish_reason in ("cancelled", "error"):
+            return "generator_" + msg.finish_reason, f"finish_reason {msg.finish_reason}"
+        if num == 0:
+            return "empty_completion", "the completion has no tokens"
+        if msg.prompt_token_ids.tolist() != group.prompt.token_ids:
+            return "bad_rollout", "prompt_token_ids differ from the prompt handed out"
+        ids = msg.completion_token_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            return "bad_rollout", f"completion token ids outside [0, {self.vocab_size})"
+        if msg.min_policy_version < group.admitted_version:
+            return "bad_rollout", (f"sampled with policy version {msg.min_policy_version}, older than the "
+                                   f"required {group.admitted_version}")
+        if int(msg.policy_versions.min()) != msg.min_policy_version or \
+                int(msg.policy_versions.max()) != msg.max_policy_version:
+            return "bad_rollout", "min/max_policy_version disagree with policy_versions"
+        if not bool(torch.isfinite(msg.behaviour_logprobs).all()) or bool((msg.behaviour_logprobs > 0).any()):
+            return "bad_rollout", "behaviour_logprobs must be finite and <= 0"
+        return None
+
+    async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
+        completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
+        try:
+            reward = await self.rewards.score(prompt.task, prompt.text, completion, prompt.metadata)
+            temperature = self.cfg.sampling.temperature or 1.0
+            sample = TrainSample(group_id=msg.group_id, sample_id=msg.sample_id, prompt_ids=prompt.token_ids,
+                                 completion_ids=msg.completion_token_ids.clone(),
+                                 behaviour_logprobs=msg.behaviour_logprobs.clone(),
+                                 policy_versions=msg.policy_versions.clone(), reward=reward,
+                                 temperature=temperature, finish_reason=msg.finish_reason)
+        except ScoringFailed as exc:
+            self.controller.on_discard(msg.group_id, msg.sample_id, exc.reason)
+            self.counters[f"discarded/{exc.reason}"] += 1
+        else:
+            self.controller.on_scored(msg.group_id, msg.sample_id, sample)
+        self.changed.set()
+
+    async def on_weights_fetch(self, peer: Any, msg: m.WeightsFetch) -> None:
+        chunk = self.store.chunk(msg.model, msg.version, msg.chunk_index)
+        if chunk is None:
+            latest = self.store.latest(msg.model)
+            return await self.reply_error(peer, msg, m.ErrorCode.UNSUPPORTED,
+                                          f"{msg.model} version {msg.version} chunk {msg.chunk_index} is not "
+                                          f"served; latest is {latest.version if latest else 'none'}")
+        await self.server.send(peer.id, chunk)
+
+    async def on_stats(self, peer: Any, msg: m.Stats) -> None:
+        self.peer_stats[peer.name] = msg
+        await self.server.publish(msg)
+
+    async def on_event(self, peer: Any, msg: m.Event) -> None:
+        await self.server.publish(msg)
+
+    async def on_ignore(self, peer: Any, msg: Any) -> None:
+        pass
+
+    async def reply_error(self, peer: Any, msg: Any, code: int, text: str) -> None:
+        await self.server.send(peer.id, m.Error(code=code, text=text, ref_kind=msg.KIND))
+
+    handlers = {
+        m.WorkRequest: on_work_request,
+        m.Rollout: on_rollout,
+        m.WeightsFetch: on_weights_fetch,
+        m.Stats: on_stats,
+        m.Event: on_event,
+        m.Error: on_ignore,  # a peer's complaint; counted by the transport
+    }
+
+    # ------------------------------------------------------------------------------------ telemetry
+
+    def event(self, name: str, text: str, **fields: Any) -> m.Event:
+        return m.Event(role="trainer", name="trainer", event=name, text=text, fields=fields, wall_s=time.time())
+
+    def stats(self) -> m.Stats:
+        counters = dict(self.controller.stats())
+        counters |= {k: float(v) for k, v in self.counters.items()}
+        counters["trainer/step"] = self.learner.step_count
+        counters["trainer/steps_total"] = self.cfg.train.steps
+        counters["trainer/queue/parked_requests"] = len(self.parked)
+        counters["trainer/queue/scoring"] = len(self.scoring)
+        if self.step_rewards:
+            counters["trainer/reward/last"] = self.step_rewards[-1]
+        return m.Stats(role="trainer", name="trainer", state=self.state, policy_version=self.learner.policy_version,
+                       counters=counters, wall_s=time.time())
+
+    async def stats_loop(self) -> None:
+        while True:
+            await self.server.publish(self.stats())
+            await asyncio.sleep(self.cfg.trainer.stats_interval_s)
+
+    # ------------------------------------------------------------------------------------ the end
+
+    async def shutdown_peers(self) -> None:
+        self.state = "stopping"
+        cancelled = self.controller.on_stop()
+        for peer in list(self.server.peers.values()):
+            if peer.role == "generator" and cancelled:
+                await self.server.send(peer.id, m.Cancel(group_ids=cancelled, reason=self.stop_reason))
+            await self.server.send(peer.id, m.Shutdown(reason=self.stop_reason or "run finished"))
+        await self.server.publish(m.Shutdown(reason=self.stop_reason or "run finished"))
+
+    def save_checkpoint(self) -> Path:
+        self.state = "checkpointing"
+        return checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position={
+            "prompts_consumed": self.source.position, "groups_admitted": self.controller.groups_admitted,
+        }, counters=self.summary(), tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
+
+    def summary(self) -> dict[str, Any]:
+        c = self.controller
+        n = max(1, len(self.step_rewards) // 10)
+        return {
+            "steps": self.learner.step_count,
+            "policy_version": self.learner.policy_version,
+            "samples_handed_out": c.samples_handed_out,
+            "samples_trained": c.samples_trained,
+            "discarded": dict(c.discarded),
+            "max_staleness_seen": c.max_staleness_seen,
+            "reward_first": statistics.fmean(self.step_rewards[:n]) if self.step_rewards else None,
+            "reward_last": statistics.fmean(self.step_rewards[-n:]) if self.step_rewards else None,
+            "step_rewards": self.step_rewards,
+            "prompts_skipped_too_long": self.source.skipped_too_long,
+            "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
+            "stop_reason": self.stop_reason,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        self.controller.check_accounting()
+        self.save_checkpoint()
+        summary = self.summary()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.sink.close()
+        return summary
+
+
+def _to_group(state: GroupState) -> Group:
+    samples = [state.results[sid] for sid in sorted(state.results)]
+    return Group(group_id=state.group_id, samples=samples, task=state.prompt.task, metadata=state.prompt.metadata)
+
+
+def _read_key(path: str) -> bytes | None:
+    if not path:
+        return None
+    key_file = Path(path)
+    if not key_file.is_file():
+        raise ValueError(f"trainer.curve_secret_key_file: {path} does not exist")
+    return key_file.read_bytes().strip()

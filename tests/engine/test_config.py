@@ -1,0 +1,50 @@
+"""Config loading: TOML + dotted overrides, validation errors that name the field, README reference."""
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import load_config, reference_markdown, to_toml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nlr = 1e-3\nsteps = 7\n[sampling]\ngroup_size = 4\n')
+    cfg = load_config(path, ["--train.lr", "2e-4", "--generator.in_flight_update=false",
+                             "--train.betas", "0.8,0.9"])
+    assert cfg.train.lr == 2e-4 and cfg.train.steps == 7 and cfg.sampling.group_size == 4
+    assert cfg.generator.in_flight_update is False and cfg.train.betas == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--train.lr", "-1"], "train.lr"),
+    (["--train.nope", "1"], "train.nope: unknown setting"),
+    (["--sampling.group_size", "many"], "sampling.group_size"),
+    (["--reward.mode", "magic"], "reward.mode"),
+    (["--train.steps"], "missing value"),
+    (["train.steps", "3"], "expected --section.name"),
+])
+def test_bad_settings_name_the_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--train.steps", "3", "--data.task", "copy"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_readme_reference_is_current():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
+    current = readme[readme.index(start) + len(start): readme.index(end)]
+    assert current == reference_markdown(), "README config reference is stale: paste reference_markdown()"
+
+
+def test_every_setting_is_documented():
+    for line in reference_markdown().splitlines()[2:]:
+        assert not line.endswith("|  |"), f"undocumented setting: {line}"
