@@ -2,18 +2,21 @@
 
     frame 0  header, 4 bytes: b"TR", protocol version (u8), message kind (u8)
     frame 1  body: MessagePack array of the message's fields in wire order
-    frame 2+ tensor payloads, raw bytes, one per tensor larger than INLINE_MAX_BYTES
+    frame 2+ tensor payloads, raw little-endian bytes, one per tensor larger than INLINE_MAX_BYTES
 
-`peek_header` dispatches on frame 0 without touching the body. Decoding is strict: every field's type
-and bounds are checked and anything wrong raises ProtocolError naming the message kind and field.
-Never pickle. Test: pytest tests/protocol/test_codec.py
+A tensor field is a descriptor [dtype, shape, data]: data is the bytes (bin) when the tensor has at most
+INLINE_MAX_BYTES, else the index (>= 2) of its frame. `peek_header` dispatches on frame 0 without touching
+the body. Decoding is strict: every field's type and bounds are checked and anything wrong raises
+ProtocolError naming the message kind and field. Never pickle.
+Test: pytest tests/protocol/test_codec.py; speed: python tools/bench.py protocol
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-import math
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +25,18 @@ import msgpack
 
 from protocol import messages  # noqa: F401  (registers every message class)
 from protocol.messages import PROTOCOL_VERSION, ErrorCode
-from protocol.schema import ARRAY_RESOLVER, MESSAGE_CLASSES, ProtocolError, decode_fields
+from protocol.schema import (
+    DTYPES,
+    MESSAGE_CLASSES,
+    ArraySpec,
+    Invalid,
+    ProtocolError,
+    check_descriptor,
+    decode_fields,
+)
 
-__all__ = ["Limits", "ProtocolError", "decode", "encode", "peek_header", "HEADER_BYTES"]
+__all__ = ["DTYPES", "HEADER_BYTES", "INLINE_MAX_BYTES", "Limits", "ProtocolError", "decode", "encode",
+           "peek_header"]
 
 MAGIC = b"TR"
 HEADER_BYTES = 4
@@ -32,24 +44,9 @@ INLINE_MAX_BYTES = 1024
 """Tensors of at most this many bytes travel inside the body (as MessagePack bin), larger ones as
 their own zero-copy frame."""
 
-# dtype name on the wire -> (itemsize, torch attribute name, numpy name or None)
-DTYPES: dict[str, tuple[int, str, str | None]] = {
-    "float64": (8, "float64", "float64"),
-    "float32": (4, "float32", "float32"),
-    "float16": (2, "float16", "float16"),
-    "bfloat16": (2, "bfloat16", None),
-    "int64": (8, "int64", "int64"),
-    "int32": (4, "int32", "int32"),
-    "int16": (2, "int16", "int16"),
-    "int8": (1, "int8", "int8"),
-    "uint8": (1, "uint8", "uint8"),
-    "bool": (1, "bool", "bool"),
-}
-MAX_NDIM = 8
-
 assert sys.byteorder == "little", "tensor frames are little-endian; big-endian hosts are not supported"
 
-# Decoded tensors are read-only views of the received frames; torch warns once per call otherwise.
+# Decoded tensors view the received frames, which torch sees as read-only; it warns once otherwise.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
@@ -70,174 +67,275 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-
-def _header(kind: int) -> bytes:
-    return MAGIC + bytes((PROTOCOL_VERSION, kind))
-
-
-_HEADERS = {kind: _header(kind) for kind in MESSAGE_CLASSES}
+_HEADER_OF: dict[type, bytes] = {cls: MAGIC + bytes((PROTOCOL_VERSION, kind)) for kind, cls in MESSAGE_CLASSES.items()}
+_CLASS_OF: dict[bytes, type] = {header: cls for cls, header in _HEADER_OF.items()}
 
 
 def _buffer_of(frame: Any) -> Any:
-    return frame.buffer if hasattr(frame, "buffer") else frame
+    """Bytes-like view of a frame: bytes as they are, zmq.Frame via .buffer, anything else as bytes."""
+    if type(frame) is bytes:
+        return frame
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame
+    return memoryview(frame).cast("B") if buffer is None else buffer
+
+
+def _nbytes(frame: Any) -> int:
+    if type(frame) is bytes or hasattr(frame, "bytes"):  # bytes, zmq.Frame: len() counts bytes
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def _header_bytes(frame: Any) -> bytes:
+    """Frame 0 as bytes when it has the header's size, else b"" (never copies a large frame)."""
+    if type(frame) is bytes:
+        return frame
+    if _nbytes(frame) != HEADER_BYTES:
+        return b""
+    return frame.bytes if hasattr(frame, "bytes") else bytes(memoryview(frame).cast("B"))
 
 
 def peek_header(frame: Any) -> tuple[int, int]:
     """Return (protocol_version, kind) from a header frame; ProtocolError if it is not one."""
-    buf = _buffer_of(frame)
-    if len(buf) != HEADER_BYTES or bytes(buf[:2]) != MAGIC:
-        raise ProtocolError(f"header: expected {HEADER_BYTES} bytes starting with b'TR', got {len(buf)} bytes",
-                            code=ErrorCode.BAD_FRAME)
-    return buf[2], buf[3]
+    size = _nbytes(frame)
+    head = bytes(_buffer_of(frame)[:HEADER_BYTES])
+    if size != HEADER_BYTES or head[:2] != MAGIC:
+        raise ProtocolError(f"header: expected {HEADER_BYTES} bytes starting with b'TR', got {size} bytes "
+                            f"starting with {head[:2]!r}", code=ErrorCode.BAD_FRAME)
+    return head[2], head[3]
+
+
+# ---------------------------------------------------------------------------------------- tensors
+
+_torch: Any = None  # the torch module once a tensor has been seen; reward servers never import it
+_frombuffer: Any = None
+_TORCH_DTYPE: dict[str, Any] = {}
+_TORCH_NAME: dict[Any, str] = {}
+
+
+def _import_torch() -> Any:
+    global _torch, _frombuffer
+    if _torch is None:
+        import torch
+
+        _TORCH_DTYPE.update({name: getattr(torch, name) for name in DTYPES})
+        _TORCH_NAME.update({dtype: name for name, dtype in _TORCH_DTYPE.items()})
+        _frombuffer = torch.frombuffer
+        _torch = torch
+    return _torch
+
+
+def _unsupported(name: str) -> ValueError:
+    return ValueError(f"dtype {name} cannot travel on the wire; supported: {sorted(DTYPES)}")
+
+
+class _Encoding:
+    """Collects the tensor frames of one message while its fields are encoded."""
+
+    __slots__ = ("frames", "inline_max_bytes")
+
+    def __init__(self, header: bytes, inline_max_bytes: int):
+        self.frames: list[Any] = [header, b""]
+        self.inline_max_bytes = inline_max_bytes
+
+    def tensor(self, value: Any) -> list:
+        """Descriptor [dtype, shape, data] for a torch tensor or numpy array; large payloads become a
+        frame that views the tensor's memory when it is contiguous on the CPU (else a copy)."""
+        torch = _torch or ("torch" in sys.modules and _import_torch())
+        if torch and type(value) is torch.Tensor and value.is_cpu and value.is_contiguous():
+            # The hot path: one pointer read for small tensors, no torch op dispatch.
+            name = _TORCH_NAME.get(value.dtype)
+            if name is None:
+                raise _unsupported(str(value.dtype).removeprefix("torch."))
+            nbytes = value.nbytes
+            if nbytes <= self.inline_max_bytes:
+                return [name, value.shape, ctypes.string_at(value.data_ptr(), nbytes) if nbytes else b""]
+            self.frames.append(value.detach().reshape(-1).view(torch.uint8).numpy())
+            return [name, value.shape, len(self.frames) - 1]
+        if torch and isinstance(value, torch.Tensor):
+            if value.layout is not torch.strided:
+                raise ValueError(f"only dense tensors travel on the wire, got layout {value.layout}")
+            plain = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            return self.tensor(plain.as_subclass(torch.Tensor) if type(plain) is not torch.Tensor else plain)
+        import numpy as np
+
+        if not isinstance(value, np.ndarray | np.generic):
+            raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+        array = np.asarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        name = array.dtype.name
+        if name not in DTYPES or name == "bfloat16":
+            raise _unsupported(name)
+        if array.nbytes <= self.inline_max_bytes:
+            return [name, array.shape, array.tobytes()]
+        self.frames.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return [name, array.shape, len(self.frames) - 1]
+
+
+class _Decoding:
+    """Turns the tensor descriptors of one message into tensors, checking the frames they use."""
+
+    __slots__ = ("frames", "used")
+
+    def __init__(self, frames: Any):
+        self.frames = frames
+        self.used: set[int] = set()
+
+    def array(self, desc: Any, spec: ArraySpec) -> Any:
+        if _frombuffer is None:
+            _import_torch()
+        # Fast path, the common case of small 1-d tensors inline: accepts a subset of what the full
+        # path does (same dtype, rank, count and byte checks), and builds the same tensor.
+        if type(desc) is list and len(desc) == 3 and spec.one_dim:
+            name, shape, data = desc
+            if type(data) is bytes and type(shape) is list and len(shape) == 1 and type(name) is str \
+                    and name in spec.dtypes and name != "bool":
+                count = shape[0]
+                if type(count) is int and 0 < count <= spec.max_count and len(data) == count * DTYPES[name]:
+                    return _frombuffer(bytearray(data), dtype=_TORCH_DTYPE[name])  # writable copy
+        name, shape, count, data = check_descriptor(desc, spec)
+        return self._tensor(name, shape, count, data)
+
+    def _tensor(self, name: str, shape: list[int], count: int, data: Any) -> Any:
+        nbytes = count * DTYPES[name]
+        if type(data) is bytes:
+            if len(data) != nbytes:
+                raise Invalid(f"{len(data)} bytes for {name}{shape} (needs {nbytes})")
+            buf = bytearray(data)  # small: a writable copy, so the tensor may be modified in place
+        elif type(data) is int:
+            if not 2 <= data < len(self.frames) or data in self.used:
+                raise Invalid(f"frame index {data} is out of range or used twice (message has "
+                              f"{len(self.frames)} frames)", code=ErrorCode.BAD_FRAME)
+            self.used.add(data)
+            buf = _buffer_of(self.frames[data])
+            if len(buf) != nbytes:
+                raise Invalid(f"frame {data} has {len(buf)} bytes for {name}{shape} (needs {nbytes})",
+                              code=ErrorCode.BAD_FRAME)
+        else:
+            raise Invalid(f"tensor data must be bin or a frame index, got {type(data).__name__}")
+        dtype = _TORCH_DTYPE[name]
+        if nbytes == 0:
+            return _torch.empty(shape, dtype=dtype)
+        if name == "bool" and (buf.translate(None, b"\0\1") if type(buf) is bytearray
+                               else _frombuffer(buf, dtype=_torch.uint8).max().item() > 1):
+            raise Invalid("bool tensor holds bytes other than 0 and 1")
+        tensor = _frombuffer(buf, dtype=dtype)
+        return tensor if len(shape) == 1 else tensor.view(shape)
 
 
 # ---------------------------------------------------------------------------------------- encode
 
+_local = threading.local()  # one Packer per thread: a Packer is not safe to share
 
-def _tensor_payload(value: Any) -> tuple[str, list[int], Any]:
-    """(dtype name, shape, contiguous uint8 buffer) for a torch tensor or numpy array, no copy when
-    already contiguous on the CPU."""
-    module = type(value).__module__
-    if module.startswith("torch"):
-        import torch
 
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in DTYPES:
-            raise ValueError(f"dtype {name} cannot travel on the wire; supported: {sorted(DTYPES)}")
-        shape = list(t.shape)
-        if t.numel() == 0:
-            return name, shape, b""
-        t = t.contiguous().reshape(-1)
-        buf = t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
-        return name, shape, buf
-    import numpy as np
+def _to_wire_scalar(obj: Any) -> Any:
+    """MessagePack `default` hook: numpy scalars (np.float32(0.5), np.int64(3)) become Python ones."""
+    item = getattr(obj, "item", None)
+    if item is not None and type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
+        return item()
+    raise TypeError(f"cannot encode a {type(obj).__name__}")
 
-    a = np.asarray(value)
-    name = a.dtype.name
-    if name not in DTYPES or DTYPES[name][2] is None:
-        raise ValueError(f"dtype {name} cannot travel on the wire; supported: {sorted(DTYPES)}")
-    shape = list(a.shape)
-    if a.size == 0:
-        return name, shape, b""
-    return name, shape, np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+def _packer() -> msgpack.Packer:
+    try:
+        return _local.packer
+    except AttributeError:
+        _local.packer = msgpack.Packer(use_bin_type=True, default=_to_wire_scalar)
+        return _local.packer
+
+
+def _pack(values: Any, msg: Any) -> bytes:
+    packer = _packer()
+    try:
+        return packer.pack(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        kind = type(msg).__name__
+        for (name, _, _), value in zip(type(msg).__wire_fields__, values, strict=False):
+            try:
+                packer.pack(value)
+            except (TypeError, ValueError, OverflowError) as field_exc:
+                raise TypeError(f"{kind}.{name}: {field_exc}") from None
+        raise TypeError(f"{kind}: {exc}") from None
 
 
 def encode(msg: Any, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> list[Any]:
     """Frames for one message: [header, body, *tensor buffers]. Tensor buffers are views of the
     caller's tensors (zero-copy): do not modify a tensor until its send has completed."""
-    kind = getattr(type(msg), "KIND", None)
-    if kind is None:
-        raise TypeError(f"{type(msg).__name__} is not a registered message")
-    frames: list[Any] = [_HEADERS[kind], b""]
-
-    def default(obj: Any) -> Any:
-        if dataclasses.is_dataclass(obj):
-            return [getattr(obj, name) for name, _, _ in type(obj).__wire_fields__]
-        if hasattr(obj, "dtype") and hasattr(obj, "shape"):
-            name, shape, buf = _tensor_payload(obj)
-            nbytes = buf.nbytes if hasattr(buf, "nbytes") else len(buf)
-            if nbytes <= inline_max_bytes:
-                return [name, shape, bytes(buf)]
-            frames.append(buf)
-            return [name, shape, len(frames) - 1]
-        raise TypeError(f"{type(msg).__name__}: cannot encode a {type(obj).__name__}")
-
-    frames[1] = msgpack.packb(default(msg), default=default, use_bin_type=True)
-    return frames
+    cls = type(msg)
+    header = _HEADER_OF.get(cls)
+    if header is None:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    if cls.__wire_plain__:
+        return [header, _pack(cls.__wire_encode__(msg, None), msg)]
+    encoding = _Encoding(header, inline_max_bytes)
+    encoding.frames[1] = _pack(cls.__wire_encode__(msg, encoding), msg)
+    return encoding.frames
 
 
 # ---------------------------------------------------------------------------------------- decode
 
 
-class _ArrayResolver:
-    """Turns tensor descriptors of one message into torch tensors viewing its frames."""
-
-    def __init__(self, frames: list[Any]):
-        self.frames = frames
-        self.used: set[int] = set()
-
-    def __call__(self, desc: list, kind: str, path: str) -> Any:
-        import torch
-
-        if len(desc) != 3 or type(desc[0]) is not str or type(desc[1]) is not list:
-            raise ProtocolError(f"{kind}.{path}: tensor descriptor must be [dtype, shape, data]",
-                                kind=kind, field=path)
-        name, shape, data = desc
-        if name not in DTYPES:
-            raise ProtocolError(f"{kind}.{path}: unknown dtype {name!r}", kind=kind, field=path)
-        if len(shape) > MAX_NDIM or any(type(d) is not int or d < 0 for d in shape):
-            raise ProtocolError(f"{kind}.{path}: bad shape {shape!r}", kind=kind, field=path)
-        itemsize = DTYPES[name][0]
-        nbytes = math.prod(shape) * itemsize
-        if type(data) is int:
-            if not 2 <= data < len(self.frames) or data in self.used:
-                raise ProtocolError(f"{kind}.{path}: frame index {data} is missing or used twice",
-                                    kind=kind, field=path)
-            self.used.add(data)
-            buf = _buffer_of(self.frames[data])
-        elif type(data) is bytes:
-            buf = data
-        else:
-            raise ProtocolError(f"{kind}.{path}: tensor data must be a frame index or bin",
-                                kind=kind, field=path)
-        if len(buf) != nbytes:
-            raise ProtocolError(f"{kind}.{path}: {len(buf)} bytes for {name}{shape} (needs {nbytes})",
-                                kind=kind, field=path)
-        dtype = getattr(torch, DTYPES[name][1])
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
+def _ext_rejected(code: int, data: bytes) -> Any:
+    raise ValueError(f"MessagePack extension type {code} is not part of the protocol")
 
 
-def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Decode and validate one message from its frames (bytes, memoryviews or zmq.Frame objects)."""
-    if not 2 <= len(frames) <= limits.max_frames:
-        raise ProtocolError(f"message has {len(frames)} frames; expected 2..{limits.max_frames}",
-                            code=ErrorCode.BAD_FRAME)
-    version, kind = peek_header(frames[0])
+def _header_class(frame: Any) -> type:
+    cls = _CLASS_OF.get(_header_bytes(frame))
+    if cls is not None:
+        return cls
+    version, kind = peek_header(frame)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} is not supported; this peer speaks {PROTOCOL_VERSION}",
                             code=ErrorCode.VERSION_MISMATCH)
-    cls = MESSAGE_CLASSES.get(kind)
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind}", code=ErrorCode.UNKNOWN_KIND)
-    total = 0
-    for i, frame in enumerate(frames):
-        size = len(_buffer_of(frame))
+    raise ProtocolError(f"unknown message kind {kind}", code=ErrorCode.UNKNOWN_KIND)
+
+
+def _check_sizes(frames: Any, cls: type, limits: Limits) -> None:
+    sizes = [_nbytes(f) for f in frames]
+    if max(sizes) <= limits.max_frame_bytes and sizes[1] <= limits.max_body_bytes \
+            and sum(sizes) <= limits.max_message_bytes:
+        return
+    kind = cls.__name__
+    for i, size in enumerate(sizes):
         if size > limits.max_frame_bytes:
-            raise ProtocolError(f"{cls.__name__}: frame {i} has {size} bytes, over the limit "
-                                f"{limits.max_frame_bytes}", code=ErrorCode.TOO_LARGE, kind=cls.__name__)
-        total += size
-    if total > limits.max_message_bytes:
-        raise ProtocolError(f"{cls.__name__}: {total} bytes over the message limit {limits.max_message_bytes}",
-                            code=ErrorCode.TOO_LARGE, kind=cls.__name__)
-    body = _buffer_of(frames[1])
-    if len(body) > limits.max_body_bytes:
-        raise ProtocolError(f"{cls.__name__}: body of {len(body)} bytes over the limit {limits.max_body_bytes}",
-                            code=ErrorCode.TOO_LARGE, kind=cls.__name__)
+            raise ProtocolError(f"{kind}: frame {i} has {size} bytes, over the limit {limits.max_frame_bytes}",
+                                code=ErrorCode.TOO_LARGE, kind=kind)
+    if sizes[1] > limits.max_body_bytes:
+        raise ProtocolError(f"{kind}: body of {sizes[1]} bytes over the limit {limits.max_body_bytes}",
+                            code=ErrorCode.TOO_LARGE, kind=kind)
+    raise ProtocolError(f"{kind}: {sum(sizes)} bytes over the message limit {limits.max_message_bytes}",
+                        code=ErrorCode.TOO_LARGE, kind=kind)
+
+
+def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Decode and validate one message from its frames (bytes, memoryviews or zmq.Frame objects).
+    Tensors over INLINE_MAX_BYTES view their frame's memory (read-only: clone before writing)."""
+    num_frames = len(frames)
+    if not 2 <= num_frames <= limits.max_frames:
+        raise ProtocolError(f"message has {num_frames} frames; expected 2..{limits.max_frames}",
+                            code=ErrorCode.BAD_FRAME)
+    head = frames[0]
+    cls = _CLASS_OF.get(head) if type(head) is bytes else None
+    if cls is None:
+        cls = _header_class(head)
+    _check_sizes(frames, cls, limits)
+    if cls.__wire_plain__ and num_frames != 2:
+        raise ProtocolError(f"{cls.__name__}: {num_frames - 2} tensor frames but the message has no tensors",
+                            code=ErrorCode.BAD_FRAME, kind=cls.__name__)
     try:
-        values = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+        values = msgpack.unpackb(_buffer_of(frames[1]), raw=False, strict_map_key=True, ext_hook=_ext_rejected)
     except Exception as exc:  # msgpack raises several unrelated types for malformed input
         raise ProtocolError(f"{cls.__name__}: body is not valid MessagePack ({type(exc).__name__}: {exc})",
                             code=ErrorCode.BAD_FIELD, kind=cls.__name__) from None
-    resolver = _ArrayResolver(frames)
-    token = ARRAY_RESOLVER.set(resolver)
+    ctx = None if cls.__wire_plain__ else _Decoding(frames)
     try:
-        msg = decode_fields(cls, values)
-    except ProtocolError as exc:
-        if exc.code == 400 and exc.field:
-            exc.code = ErrorCode.BAD_FIELD
-        if not exc.kind:
-            exc.kind = cls.__name__
+        msg = decode_fields(cls, values, ctx)
+    except ProtocolError:
         raise
-    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
-        raise ProtocolError(f"{cls.__name__}: {exc}", code=ErrorCode.BAD_FIELD, kind=cls.__name__) from None
-    finally:
-        ARRAY_RESOLVER.reset(token)
-    if len(resolver.used) != len(frames) - 2:
-        raise ProtocolError(f"{cls.__name__}: {len(frames) - 2} tensor frames but {len(resolver.used)} referenced",
+    except (TypeError, ValueError, OverflowError, RuntimeError, RecursionError, MemoryError) as exc:
+        raise ProtocolError(f"{cls.__name__}: {type(exc).__name__}: {exc}", code=ErrorCode.BAD_FIELD,
+                            kind=cls.__name__) from None
+    if ctx is not None and len(ctx.used) != num_frames - 2:
+        raise ProtocolError(f"{cls.__name__}: {num_frames - 2} tensor frames but {len(ctx.used)} referenced",
                             code=ErrorCode.BAD_FRAME, kind=cls.__name__)
     return msg

@@ -1,13 +1,13 @@
-"""Schema machinery behind protocol/messages.py: field declarations and strict validators.
+"""Schema machinery behind protocol/messages.py: field declarations, strict validators, wire encoders.
 
-`wire(...)` declares a field's bounds; `@message(kind)` and `@struct` register a dataclass and compile a
-validator for every field from its type annotation. messages.py holds only declarations; the codec
-(protocol/codec.py) calls the compiled validators. Test: pytest tests/protocol/test_codec.py
+`wire(...)` declares a field's bounds; `@message(kind)` and `@struct` register a dataclass and compile,
+from its type annotations, one validator per field (wire value -> checked Python value) and an encoder
+(object -> MessagePack-ready array of fields). messages.py holds only declarations; protocol/codec.py
+calls the compiled functions. Test: pytest tests/protocol/test_codec.py
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 import types
@@ -17,9 +17,15 @@ from typing import Any
 
 __all__ = [
     "Array",
+    "DTYPES",
+    "MAX_NDIM",
     "MESSAGE_CLASSES",
+    "STRUCT_CLASSES",
     "ProtocolError",
     "Scalar",
+    "decode_fields",
+    "describe_bounds",
+    "describe_type",
     "message",
     "struct",
     "wire",
@@ -30,9 +36,21 @@ __all__ = [
 DEFAULT_MAX_STR = 1 << 20
 DEFAULT_MAX_LIST = 1 << 22
 DEFAULT_MAX_MAP = 1 << 16
+MAX_KEY_LEN = 1024
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
+DTYPES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+"""Tensor element types that may travel on the wire (name on the wire -> bytes per element)."""
+MAX_NDIM = 8
+MAX_SPAN = 1 << 53  # bound on the product of a tensor's non-zero dimensions
+
 MESSAGE_CLASSES: dict[int, type] = {}
+"""Message kind code -> message class, filled by @message."""
+STRUCT_CLASSES: list[type] = []
+"""Nested wire structures, filled by @struct."""
 
 
 class ProtocolError(ValueError):
@@ -45,15 +63,35 @@ class ProtocolError(ValueError):
         self.field = field
 
 
+class Invalid(Exception):
+    """Raised by a validator; each enclosing struct or container prepends its part of the field path,
+    so paths are only built when something is wrong. The codec turns it into a ProtocolError."""
+
+    def __init__(self, text: str, code: int = 401):
+        super().__init__(text)
+        self.text = text
+        self.code = code
+        self.path: list[str] = []  # innermost first: [".top_k", ".sampling", "[0]", ".items"]
+
+    def field_path(self) -> str:
+        return "".join(reversed(self.path)).removeprefix(".")
+
+
 class Array:
-    """Marker type for a tensor field: travels as a tensor descriptor plus, when large, its own frame.
+    """Marker type for a tensor field: travels as a descriptor [dtype, shape, data], where data is the
+    bytes inline or the index of a frame of its own.
 
     Encodes torch tensors and numpy arrays; decodes to torch.Tensor (torch is imported only when a
-    message with a tensor is decoded, so reward servers never need it).
+    message with a tensor is encoded or decoded, so reward servers never need it).
     """
 
 
 Scalar = int | float | str | bool | None
+
+Validator = Callable[[Any, Any], Any]
+"""check(wire_value, ctx) -> Python value; ctx turns tensor descriptors into tensors (see codec)."""
+Encoder = Callable[[Any, Any], Any]
+"""encode(value, ctx) -> MessagePack-ready value; ctx turns tensors into descriptors (see codec)."""
 
 
 def wire(
@@ -73,200 +111,418 @@ def wire(
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"wire": meta})
 
 
-Validator = Callable[[Any, str], Any]
+def _meta_of(f: dataclasses.Field) -> dict:
+    meta = {"ge": None, "le": None, "max_len": None, "choices": None, "dtypes": None, "ndim": None}
+    meta.update(f.metadata.get("wire", {}))
+    return meta
 
 
-def _fail(kind: str, field: str, text: str) -> ProtocolError:
-    return ProtocolError(f"{kind}.{field}: {text}", kind=kind, field=field)
+# ---------------------------------------------------------------------------------------- validators
 
 
-def _number_bounds(value: Any, meta: dict, kind: str, field: str) -> None:
-    if meta["ge"] is not None and value < meta["ge"]:
-        raise _fail(kind, field, f"{value!r} is below the minimum {meta['ge']}")
-    if meta["le"] is not None and value > meta["le"]:
-        raise _fail(kind, field, f"{value!r} is above the maximum {meta['le']}")
-
-
-def _make_validator(tp: Any, meta: dict, kind: str, name: str) -> Validator:
-    """Return check(value, field_path) -> normalised value, raising ProtocolError on anything wrong."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
+def _make_validator(tp: Any, meta: dict, where: str) -> Validator:
+    """Return check(value, ctx) -> normalised value, raising Invalid on anything wrong."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
         inner = [a for a in args if a is not type(None)]
-        if type(None) in args and len(inner) == 1:
-            check = _make_validator(inner[0], meta, kind, name)
-            return lambda v, path: None if v is None else check(v, path)
         if tp == Scalar:
-            return _scalar_validator(meta, kind)
-        raise TypeError(f"{kind}.{name}: unsupported union {tp}")
+            return _check_scalar
+        if type(None) in args and len(inner) == 1:
+            check = _make_validator(inner[0], meta, where)
+            return lambda v, ctx: None if v is None else check(v, ctx)
+        raise TypeError(f"{where}: unsupported union {tp}")
     if tp is bool:
-        def check_bool(v, path):
-            if type(v) is not bool:
-                raise _fail(kind, path, f"expected bool, got {type(v).__name__}")
-            return v
-        return check_bool
+        return _check_bool
     if tp is int:
-        lo = INT64_MIN if meta.get("ge") is None else meta["ge"]
-        hi = INT64_MAX if meta.get("le") is None else meta["le"]
-        def check_int(v, path):
-            if type(v) is not int:
-                raise _fail(kind, path, f"expected int, got {type(v).__name__}")
-            if v < lo or v > hi:
-                raise _fail(kind, path, f"{v} is outside [{lo}, {hi}]")
-            return v
-        return check_int
+        return _int_validator(meta)
     if tp is float:
-        def check_float(v, path):
-            if type(v) is int:
-                v = float(v)
-            elif type(v) is not float:
-                raise _fail(kind, path, f"expected float, got {type(v).__name__}")
-            if math.isnan(v) and (meta.get("ge") is not None or meta.get("le") is not None):
-                raise _fail(kind, path, "NaN where a bounded number is required")
-            _number_bounds(v, meta, kind, path)
-            return v
-        return check_float
+        return _float_validator(meta)
     if tp is str or tp is bytes:
-        limit = meta.get("max_len") or DEFAULT_MAX_STR
-        choices = meta.get("choices")
-        def check_text(v, path):
-            if type(v) is not tp:
-                raise _fail(kind, path, f"expected {tp.__name__}, got {type(v).__name__}")
-            if len(v) > limit:
-                raise _fail(kind, path, f"length {len(v)} exceeds the maximum {limit}")
-            if choices is not None and v not in choices:
-                raise _fail(kind, path, f"{v!r} is not one of {list(choices)}")
-            return v
-        return check_text
+        return _text_validator(tp, meta)
     if tp is Array:
-        return _array_validator(meta, kind)
+        return _array_validator(meta)
     if origin is list:
-        limit = meta.get("max_len") or DEFAULT_MAX_LIST
-        elem_meta = {k: meta.get(k) for k in ("ge", "le", "choices")} | {"max_len": None}
-        elem = _make_validator(args[0], elem_meta, kind, name)
-        fast_int = args[0] is int
-        def check_list(v, path):
-            if type(v) is not list:
-                raise _fail(kind, path, f"expected array, got {type(v).__name__}")
-            if len(v) > limit:
-                raise _fail(kind, path, f"{len(v)} elements exceed the maximum {limit}")
-            if fast_int and all(type(x) is int for x in v):
-                lo, hi = (min(v), max(v)) if v else (0, 0)
-                if v and (
-                    (elem_meta["ge"] is not None and lo < elem_meta["ge"])
-                    or (elem_meta["le"] is not None and hi > elem_meta["le"])
-                    or lo < INT64_MIN or hi > INT64_MAX
-                ):
-                    raise _fail(kind, path, f"an element is outside the bounds of the field ({lo}..{hi})")
-                return v
-            return [elem(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        return check_list
+        return _list_validator(args[0], meta, where)
     if origin is dict:
-        limit = meta.get("max_len") or DEFAULT_MAX_MAP
-        key_check = _make_validator(args[0], {"max_len": 1024}, kind, name)
-        val_check = _make_validator(args[1], {k: meta.get(k) for k in ("dtypes", "ndim")}, kind, name)
-        def check_dict(v, path):
-            if type(v) is not dict:
-                raise _fail(kind, path, f"expected map, got {type(v).__name__}")
-            if len(v) > limit:
-                raise _fail(kind, path, f"{len(v)} entries exceed the maximum {limit}")
-            return {key_check(k, path): val_check(x, f"{path}[{k!r}]") for k, x in v.items()}
-        return check_dict
+        return _dict_validator(args[0], args[1], meta, where)
     if dataclasses.is_dataclass(tp):
-        return lambda v, path: _decode_struct(tp, v, path)
-    if tp is typing.Any:
-        raise TypeError(f"{kind}.{name}: Any is not a wire type")
-    raise TypeError(f"{kind}.{name}: unsupported wire type {tp!r}")
+        return lambda v, ctx: tp.__wire_decode__(v, ctx)
+    raise TypeError(f"{where}: unsupported wire type {tp!r}")
 
 
-def _scalar_validator(meta: dict, kind: str) -> Validator:
-    def check_scalar(v, path):
-        if v is None or type(v) in (int, float, str, bool):
-            if type(v) is str and len(v) > DEFAULT_MAX_STR:
-                raise _fail(kind, path, "string too long")
-            return v
-        raise _fail(kind, path, f"expected a scalar (nil, bool, int, float, str), got {type(v).__name__}")
-    return check_scalar
+def _check_bool(v: Any, ctx: Any) -> bool:
+    if type(v) is not bool:
+        raise Invalid(f"expected bool, got {type(v).__name__}")
+    return v
 
 
-ARRAY_RESOLVER: contextvars.ContextVar[Callable[[Any, str, str], Any]] = contextvars.ContextVar(
-    "tailrace_array_resolver"
-)
-"""Set by the codec while decoding: turns a tensor descriptor into a tensor using the message's frames."""
+def _int_validator(meta: dict) -> Validator:
+    lo = INT64_MIN if meta["ge"] is None else max(INT64_MIN, math.ceil(meta["ge"]))
+    hi = INT64_MAX if meta["le"] is None else min(INT64_MAX, math.floor(meta["le"]))
 
-
-def _array_validator(meta: dict, kind: str) -> Validator:
-    # On decode a field holds a descriptor [dtype, shape, data]; the codec's resolver turns it into a
-    # tensor. Then we check what the field promises (dtype, rank, element count).
-    dtypes, ndim, limit = meta.get("dtypes"), meta.get("ndim"), meta.get("max_len")
-    def check_array(v, path):
-        if type(v) is list:
-            resolve = ARRAY_RESOLVER.get(None)
-            if resolve is None:
-                raise _fail(kind, path, "tensor descriptor outside of a decode")
-            v = resolve(v, kind, path)
-        dtype = getattr(v, "dtype", None)
-        if dtype is None or not hasattr(v, "shape"):
-            raise _fail(kind, path, f"expected a tensor, got {type(v).__name__}")
-        name = str(dtype).removeprefix("torch.")
-        if dtypes is not None and name not in dtypes:
-            raise _fail(kind, path, f"dtype {name} is not one of {list(dtypes)}")
-        if ndim is not None and len(v.shape) != ndim:
-            raise _fail(kind, path, f"expected {ndim} dimensions, got shape {tuple(v.shape)}")
-        if limit is not None and math.prod(v.shape) > limit:
-            raise _fail(kind, path, f"{math.prod(v.shape)} elements exceed the maximum {limit}")
+    def check_int(v, ctx):
+        if type(v) is not int:  # bool is not int here: True must not pass as 1
+            raise Invalid(f"expected int, got {type(v).__name__}")
+        if v < lo or v > hi:
+            raise Invalid(f"{v} is outside [{lo}, {hi}]")
         return v
-    return check_array
+    return check_int
+
+
+def _float_validator(meta: dict) -> Validator:
+    lo, hi = meta["ge"], meta["le"]
+    if lo is None and hi is None:
+        def check_float(v, ctx):
+            if type(v) is float:
+                return v
+            if type(v) is int:
+                return float(v)
+            raise Invalid(f"expected float, got {type(v).__name__}")
+        return check_float
+    lo = -math.inf if lo is None else float(lo)
+    hi = math.inf if hi is None else float(hi)
+
+    def check_bounded_float(v, ctx):
+        if type(v) is not float:
+            if type(v) is not int:
+                raise Invalid(f"expected float, got {type(v).__name__}")
+            v = float(v)  # an int that does not fit a double raises OverflowError: caught by the codec
+        if not lo <= v <= hi:  # also catches NaN, which compares false with everything
+            raise Invalid("NaN where a bounded number is required" if v != v else f"{v!r} is outside [{lo}, {hi}]")
+        return v
+    return check_bounded_float
+
+
+def _text_validator(tp: type, meta: dict) -> Validator:
+    limit = meta["max_len"] or DEFAULT_MAX_STR
+    choices = None if meta["choices"] is None else frozenset(meta["choices"])
+    tname = "str" if tp is str else "bin"
+
+    def check_text(v, ctx):
+        if type(v) is not tp:
+            raise Invalid(f"expected {tname}, got {type(v).__name__}")
+        if len(v) > limit:
+            raise Invalid(f"length {len(v)} exceeds the maximum {limit}")
+        if choices is not None and v not in choices:
+            raise Invalid(f"{v!r} is not one of {sorted(choices)}")
+        return v
+    return check_text
+
+
+def _check_scalar(v: Any, ctx: Any) -> Any:
+    tp = type(v)
+    if tp is str:
+        if len(v) > DEFAULT_MAX_STR:
+            raise Invalid(f"string of length {len(v)} exceeds the maximum {DEFAULT_MAX_STR}")
+        return v
+    if v is None or tp is int or tp is float or tp is bool:
+        return v
+    raise Invalid(f"expected a scalar (nil, bool, int, float, str), got {tp.__name__}")
+
+
+def _list_validator(elem_tp: Any, meta: dict, where: str) -> Validator:
+    limit = meta["max_len"] or DEFAULT_MAX_LIST
+    elem_meta = dict(meta, max_len=None)
+    elem = _make_validator(elem_tp, elem_meta, where)
+    if elem_tp is int:
+        lo = INT64_MIN if meta["ge"] is None else meta["ge"]
+        hi = INT64_MAX if meta["le"] is None else meta["le"]
+        int_types = {int}
+
+        def check_int_list(v, ctx):
+            if type(v) is not list:
+                raise Invalid(f"expected array, got {type(v).__name__}")
+            if len(v) > limit:
+                raise Invalid(f"{len(v)} elements exceed the maximum {limit}")
+            # One pass in C over the element types, then min/max: the per-element path is only
+            # taken to name the offending element.
+            if v and (set(map(type, v)) != int_types or min(v) < lo or max(v) > hi):
+                for i, x in enumerate(v):
+                    try:
+                        elem(x, ctx)
+                    except Invalid as exc:
+                        exc.path.append(f"[{i}]")
+                        raise
+            return v
+        return check_int_list
+
+    def check_list(v, ctx):
+        if type(v) is not list:
+            raise Invalid(f"expected array, got {type(v).__name__}")
+        if len(v) > limit:
+            raise Invalid(f"{len(v)} elements exceed the maximum {limit}")
+        out = []
+        try:
+            for x in v:
+                out.append(elem(x, ctx))
+        except Invalid as exc:
+            exc.path.append(f"[{len(out)}]")
+            raise
+        return out
+    return check_list
+
+
+def _dict_validator(key_tp: Any, val_tp: Any, meta: dict, where: str) -> Validator:
+    if key_tp is not str:
+        raise TypeError(f"{where}: map keys must be str")
+    limit = meta["max_len"] or DEFAULT_MAX_MAP
+    val_check = _make_validator(val_tp, dict(meta, max_len=None), where)  # max_len counts entries
+
+    def check_dict(v, ctx):
+        if type(v) is not dict:
+            raise Invalid(f"expected map, got {type(v).__name__}")
+        if len(v) > limit:
+            raise Invalid(f"{len(v)} entries exceed the maximum {limit}")
+        out = {}
+        for k, x in v.items():
+            if type(k) is not str or len(k) > MAX_KEY_LEN:
+                raise Invalid(f"map key must be a str of at most {MAX_KEY_LEN} characters, got "
+                              f"{type(k).__name__} {str(k)[:40]!r}")
+            try:
+                out[k] = val_check(x, ctx)
+            except Invalid as exc:
+                exc.path.append(f"[{k[:40]!r}]")
+                raise
+        return out
+    return check_dict
+
+
+class ArraySpec:
+    """What a tensor field promises: allowed dtypes, rank (None: any up to MAX_NDIM), element limit."""
+
+    __slots__ = ("dtypes", "ndim", "max_count", "one_dim")
+
+    def __init__(self, meta: dict):
+        self.dtypes = frozenset(meta["dtypes"] or DTYPES)
+        self.ndim = meta["ndim"]
+        self.max_count = min(meta["max_len"] or MAX_SPAN, MAX_SPAN)
+        self.one_dim = self.ndim in (None, 1)  # lets the codec take its 1-d fast path
+
+
+def check_descriptor(v: Any, spec: ArraySpec) -> tuple[str, list[int], int, Any]:
+    """(dtype, shape, element count, data) of a tensor descriptor [dtype, shape, data], checked against
+    the field's spec before any memory is touched; the codec then checks the data and builds the tensor."""
+    if type(v) is not list or len(v) != 3:
+        raise Invalid(f"expected a tensor descriptor [dtype, shape, data], got {_describe_value(v)}")
+    name, shape, data = v
+    if type(name) is not str or name not in spec.dtypes:
+        raise Invalid(f"dtype {name!r} is not one of {sorted(spec.dtypes)}")
+    if type(shape) is not list:
+        raise Invalid(f"shape must be an array, got {type(shape).__name__}")
+    ndim = spec.ndim
+    if (ndim is not None and len(shape) != ndim) or len(shape) > MAX_NDIM:
+        raise Invalid(f"shape {shape!r} must have {ndim if ndim is not None else f'<= {MAX_NDIM}'} dimensions")
+    count = span = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise Invalid(f"bad shape {shape!r}: dimensions are non-negative ints")
+        count *= d
+        span *= d or 1  # an empty tensor still needs strides that fit in int64
+    if span > MAX_SPAN:
+        raise Invalid(f"shape {shape!r} is too large (product of non-zero dimensions over 2^53)")
+    if count > spec.max_count:
+        raise Invalid(f"{count} elements exceed the maximum {spec.max_count}")
+    return name, shape, count, data
+
+
+class _NoTensors:
+    """Decoding context outside of the codec: refuses tensor descriptors."""
+
+    def array(self, v: Any, spec: ArraySpec) -> Any:
+        raise Invalid("tensor descriptor outside of a codec decode")
+
+
+_NO_TENSORS = _NoTensors()
+
+
+def _array_validator(meta: dict) -> Validator:
+    spec = ArraySpec(meta)
+    return lambda v, ctx: ctx.array(v, spec)
+
+
+def _describe_value(v: Any) -> str:
+    return f"array of {len(v)}" if type(v) is list else type(v).__name__
+
+
+# ---------------------------------------------------------------------------------------- encoders
+
+
+def _encode_tensor(v: Any, ctx: Any) -> list:
+    return ctx.tensor(v)
+
+
+def _make_encoder(tp: Any) -> Encoder | None:
+    """Return encode(value, ctx) for values that MessagePack cannot take as they are (tensors,
+    nested structures), or None when the value is already wire-ready."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Array:
+        return _encode_tensor
+    if dataclasses.is_dataclass(tp):
+        return lambda v, ctx: tp.__wire_encode__(v, ctx)
+    if origin is list:
+        elem = _make_encoder(args[0])
+        return None if elem is None else (lambda v, ctx: [elem(x, ctx) for x in v])
+    if origin is dict:
+        val = _make_encoder(args[1])
+        return None if val is None else (lambda v, ctx: {k: val(x, ctx) for k, x in v.items()})
+    if origin in (types.UnionType, typing.Union) and tp != Scalar:
+        inner = _make_encoder(next(a for a in args if a is not type(None)))
+        return None if inner is None else (lambda v, ctx: None if v is None else inner(v, ctx))
+    return None
+
+
+def _struct_encoder(cls: type, names: tuple[str, ...], encoders: list) -> Encoder:
+    """Generate encode(obj, ctx) -> wire array for one class: a tuple of its attributes when all are
+    wire-ready, else a list with tensors and nested structures encoded."""
+    kind = cls.__name__
+    env = {"cls": cls, "failed": _failed_field}
+    items = []
+    for k, (name, enc) in enumerate(zip(names, encoders, strict=True)):
+        env[f"enc{k}"] = enc
+        if enc is None:
+            items.append(f"obj.{name}")
+        elif enc is _encode_tensor:
+            items.append(f"ctx.tensor(obj.{name})")
+        else:
+            items.append(f"enc{k}(obj.{name}, ctx)")
+    body = f"({', '.join(items)},)" if all(e is None for e in encoders) else f"[{', '.join(items)}]"
+    lines = [
+        "def encode_struct(obj, ctx):",
+        "    if type(obj) is not cls:",
+        f"        raise TypeError('{kind}: expected a {kind}, got ' + type(obj).__name__)",
+        "    try:",
+        f"        return {body}",
+        "    except (TypeError, ValueError, AttributeError) as exc:",
+        "        raise failed(obj, ctx, exc) from None",
+    ]
+    exec("\n".join(lines), env)  # noqa: S102  (source built from field names only)
+    return env["encode_struct"]
+
+
+def _failed_field(obj: Any, ctx: Any, exc: Exception) -> TypeError:
+    """Name the field whose encoding raised `exc` (re-encodes field by field: errors only)."""
+    cls = type(obj)
+    for (name, _, _), enc in zip(cls.__wire_fields__, cls.__wire_encoders__, strict=True):
+        try:
+            value = getattr(obj, name)
+            if enc is not None:
+                enc(value, ctx)
+        except (TypeError, ValueError, AttributeError) as field_exc:
+            return TypeError(f"{cls.__name__}.{name}: {field_exc}")
+    return TypeError(f"{cls.__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------------------- structures
+
+
+def _fast_guard(tp: Any, meta: dict, k: int, env: dict) -> str | None:
+    """A Python condition that is False exactly when field k's full validator would return the wire
+    value unchanged; the generated decoder calls the validator only when it is True (the validator
+    then raises, or converts, e.g. int -> float). None: always call the validator."""
+    if tp is bool:
+        return "type(v) is not bool"
+    if tp is int:
+        env[f"lo{k}"] = INT64_MIN if meta["ge"] is None else max(INT64_MIN, math.ceil(meta["ge"]))
+        env[f"hi{k}"] = INT64_MAX if meta["le"] is None else min(INT64_MAX, math.floor(meta["le"]))
+        return f"type(v) is not int or v < lo{k} or v > hi{k}"
+    if tp is float:
+        if meta["ge"] is None and meta["le"] is None:
+            return "type(v) is not float"
+        env[f"lo{k}"] = -math.inf if meta["ge"] is None else float(meta["ge"])
+        env[f"hi{k}"] = math.inf if meta["le"] is None else float(meta["le"])
+        return f"type(v) is not float or not lo{k} <= v <= hi{k}"
+    if tp is str:
+        env[f"max{k}"] = meta["max_len"] or DEFAULT_MAX_STR
+        if meta["choices"] is None:
+            return f"type(v) is not str or len(v) > max{k}"
+        env[f"choices{k}"] = frozenset(meta["choices"])
+        return f"type(v) is not str or len(v) > max{k} or v not in choices{k}"
+    return None
+
+
+def _struct_decoder(cls: type, fields: list[tuple[str, Any, dict]], checks: tuple, num_required: int,
+                    defaults: tuple) -> Validator:
+    """Generate decode(values, ctx) -> cls for one class, like dataclasses generates __init__: scalar
+    fields are checked inline, the rest by their validators; an Invalid gets the field's name."""
+    num_fields = len(fields)
+    env = {"cls": cls, "new": object.__new__, "Invalid": Invalid, "post_init": getattr(cls, "__post_init__", None),
+           "dotted": tuple("." + name for name, _, _ in fields)}
+    lines = [
+        "def decode_struct(values, ctx):",
+        "    if type(values) is not list:",
+        f"        raise Invalid('expected an array of {num_fields} fields, got ' + type(values).__name__)",
+        "    n = len(values)",
+        f"    if n < {num_required} or n > {num_fields}:",
+        f"        raise Invalid(f'expected {num_required}..{num_fields} fields, got {{n}}')",
+        # Every field is validated here; filling __dict__ skips the frozen dataclass __init__ (one
+        # object.__setattr__ per field), and post_init runs the same cross-field checks it would.
+        "    obj = new(cls)",
+        "    d = obj.__dict__",
+        "    i = 0",
+        "    try:",
+    ]
+    for k, (name, tp, meta) in enumerate(fields):
+        env[f"check{k}"], env[f"default{k}"] = checks[k], defaults[k]
+        guard = _fast_guard(tp, meta, k, env)
+        if tp is Array:
+            env[f"spec{k}"] = ArraySpec(meta)
+            check = f"v = ctx.array(v, spec{k})"
+        else:
+            check = f"if {guard}: v = check{k}(v, ctx)" if guard else f"v = check{k}(v, ctx)"
+        body = [f"i = {k}", f"v = values[{k}]", check, f"d[{name!r}] = v"]
+        if k < num_required:
+            lines += ["        " + line for line in body]
+        else:
+            lines += [f"        if n > {k}:"] + ["            " + line for line in body]
+            lines += ["        else:", f"            d[{name!r}] = default{k}()"]
+    lines += [
+        "    except Invalid as exc:",
+        "        exc.path.append(dotted[i])",
+        "        raise",
+        "    if post_init is not None:",
+        "        try:",
+        "            post_init(obj)",
+        "        except ValueError as exc:",
+        "            raise Invalid(str(exc)) from None",
+        "    return obj",
+    ]
+    exec("\n".join(lines), env)  # noqa: S102  (source built above from field names and constants only)
+    return env["decode_struct"]
 
 
 def _compile(cls: type) -> None:
+    if "__slots__" in cls.__dict__ or not cls.__dataclass_params__.init:
+        raise TypeError(f"{cls.__name__}: wire classes are plain dataclasses with __dict__ and __init__")
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    specs = []
-    num_required = 0
-    for i, f in enumerate(fields):
-        meta = dict(f.metadata.get("wire", {}))
-        meta.setdefault("ge", None)
-        meta.setdefault("le", None)
-        meta.setdefault("max_len", None)
-        meta.setdefault("choices", None)
-        meta.setdefault("dtypes", None)
-        meta.setdefault("ndim", None)
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        if not has_default:
-            if num_required != i:
-                raise TypeError(f"{cls.__name__}.{f.name}: required fields must come before optional ones")
-            num_required = i + 1
-        specs.append((f.name, _make_validator(hints[f.name], meta, cls.__name__, f.name), hints[f.name]))
-    cls.__wire_fields__ = tuple(specs)
+    fields, checks, encoders, defaults = [], [], [], []
+    for f in dataclasses.fields(cls):
+        where = f"{cls.__name__}.{f.name}"
+        if not f.init:
+            raise TypeError(f"{where}: every field of a wire class is set by __init__")
+        if f.default is not dataclasses.MISSING:
+            defaults.append(lambda value=f.default: value)
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults.append(f.default_factory)
+        elif any(defaults):
+            raise TypeError(f"{where}: required fields must come before optional ones")
+        else:
+            defaults.append(None)
+        fields.append((f.name, hints[f.name], _meta_of(f)))
+        checks.append(_make_validator(hints[f.name], fields[-1][2], where))
+        encoders.append(_make_encoder(hints[f.name]))
+    num_required = defaults.count(None)
+    cls.__wire_fields__ = tuple(fields)  # (name, type, bounds) in wire order
     cls.__wire_required__ = num_required
-
-
-def _decode_struct(cls: type, values: Any, path: str) -> Any:
-    """Build `cls` from its wire array, validating every field. Trailing optional fields may be absent."""
-    name = cls.__name__
-    if type(values) is not list:
-        raise ProtocolError(f"{name}{'.' + path if path else ''}: expected an array of fields, "
-                            f"got {type(values).__name__}", kind=name, field=path)
-    specs = cls.__wire_fields__
-    if not cls.__wire_required__ <= len(values) <= len(specs):
-        raise ProtocolError(
-            f"{name}: expected {cls.__wire_required__}..{len(specs)} fields, got {len(values)}",
-            kind=name, field=path,
-        )
-    kwargs = {}
-    prefix = f"{path}." if path else ""
-    for (field, check, _), value in zip(specs, values, strict=False):
-        kwargs[field] = check(value, prefix + field)
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:  # cross-field checks in __post_init__
-        raise ProtocolError(f"{name}: {exc}", kind=name, field=path) from exc
+    cls.__wire_plain__ = all(e is None for e in encoders)  # no tensors, no nested structures
+    cls.__wire_decode__ = staticmethod(_struct_decoder(cls, fields, tuple(checks), num_required, tuple(defaults)))
+    cls.__wire_encoders__ = tuple(encoders)
+    cls.__wire_encode__ = staticmethod(_struct_encoder(cls, tuple(f[0] for f in fields), encoders))
 
 
 def struct(cls: type) -> type:
     """Register a nested wire structure (encoded as an array of its fields, like a message body)."""
     _compile(cls)
+    STRUCT_CLASSES.append(cls)
     return cls
 
 
@@ -284,5 +540,88 @@ def message(kind: int) -> Callable[[type], type]:
     return register
 
 
-def decode_fields(cls: type, values: Any) -> Any:
-    return _decode_struct(cls, values, "")
+def decode_fields(cls: type, values: Any, ctx: Any = None) -> Any:
+    """Build a registered class from its wire array, validating every field; ProtocolError names the
+    class and field. ctx resolves tensor descriptors (the codec passes one)."""
+    try:
+        return cls.__wire_decode__(values, _NO_TENSORS if ctx is None else ctx)
+    except Invalid as exc:
+        path = exc.field_path()
+        where = f"{cls.__name__}.{path}" if path else cls.__name__
+        raise ProtocolError(f"{where}: {exc.text}", code=exc.code, kind=cls.__name__, field=path) from None
+
+
+# ---------------------------------------------------------------------------------------- documentation
+
+
+def describe_type(tp: Any, meta: dict | None = None) -> str:
+    """The wire type of a field as written in protocol/SPEC.md's message tables, e.g. `int`,
+    `array<int>`, `map<str, float>`, `tensor`, `SamplingParams`, `int | nil`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp == Scalar:
+        return "scalar"
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join("nil" if a is type(None) else describe_type(a) for a in args)
+    if tp is Array:
+        return "tensor"
+    if tp is bytes:
+        return "bin"
+    if tp in (int, float, str, bool):
+        return tp.__name__
+    if origin is list:
+        return f"array<{describe_type(args[0])}>"
+    if origin is dict:
+        return f"map<{describe_type(args[0])}, {describe_type(args[1])}>"
+    if dataclasses.is_dataclass(tp):
+        return tp.__name__
+    raise TypeError(f"no wire name for {tp!r}")
+
+
+def describe_bounds(tp: Any, meta: dict) -> str:
+    """The bounds of a field as written in protocol/SPEC.md's message tables."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and tp != Scalar:
+        return describe_bounds(next(a for a in args if a is not type(None)), meta)
+    if origin is list:
+        inner = describe_bounds(args[0], dict(meta, max_len=None))
+        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_LIST)} elements"
+        return f"{count}; each {inner}" if inner else count
+    if origin is dict:
+        inner = describe_bounds(args[1], dict(meta, max_len=None))
+        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_MAP)} entries"
+        return f"{count}; each value {inner}" if inner else count
+    if tp is int:
+        lo = INT64_MIN if meta["ge"] is None else meta["ge"]
+        hi = INT64_MAX if meta["le"] is None else meta["le"]
+        return f"{_num(lo)}..{_num(hi)}"
+    if tp is float:
+        if meta["ge"] is None and meta["le"] is None:
+            return ""
+        lo = "-inf" if meta["ge"] is None else _num(meta["ge"])
+        hi = "inf" if meta["le"] is None else _num(meta["le"])
+        return f"{lo}..{hi}, not NaN"
+    if tp in (str, bytes):
+        if meta["choices"]:
+            return "one of " + ", ".join(f'"{c}"' for c in meta["choices"])
+        return f"<= {_num(meta['max_len'] or DEFAULT_MAX_STR)} {'characters' if tp is str else 'bytes'}"
+    if tp is Array:
+        parts = [" or ".join(meta["dtypes"]) if meta["dtypes"] else "any dtype"]
+        if meta["ndim"] is not None:
+            parts.append(f"{meta['ndim']}-d")
+        if meta["max_len"] is not None:
+            parts.append(f"<= {_num(meta['max_len'])} elements")
+        return ", ".join(parts)
+    return ""
+
+
+def _num(x: float) -> str:
+    if isinstance(x, float) and not x.is_integer():
+        return repr(x)
+    x = int(x)
+    if x == INT64_MAX:
+        return "2^63-1"
+    if x == INT64_MIN:
+        return "-2^63"
+    if x >= 1 << 16 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"
+    return str(x)

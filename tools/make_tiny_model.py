@@ -14,7 +14,6 @@ the same weights. The output folder loads with AutoModelForCausalLM / AutoTokeni
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
 import sys
@@ -85,7 +84,16 @@ def build_model(tokenizer, hidden_size: int, num_layers: int):
     return model
 
 
-def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int):
+def _noisy(answer: str, noise: float, rng: random.Random) -> str:
+    """Character ``i`` replaced by a random letter with probability ``noise * i / (i + 2)``.
+
+    Early characters stay almost always right, so the samples of a group share their first tokens
+    and branch later, as in real RL workloads.
+    """
+    return "".join(rng.choice(tasks.ALPHABET) if rng.random() < noise * i / (i + 2) else c for i, c in enumerate(answer))
+
+
+def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int, noise: float):
     """Endless (input_ids, labels) batches; examples of similar length are batched together."""
     import torch
 
@@ -96,7 +104,8 @@ def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int):
         for _ in range(batch_size * group):
             prompt = next(stream)
             prompt_ids = tokenizer(prompt.text)["input_ids"]
-            answer_ids = tokenizer(str(prompt.metadata["answer"]), add_special_tokens=False)["input_ids"]
+            answer = _noisy(str(prompt.metadata["answer"]), noise, rng)
+            answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
             examples.append((prompt_ids, answer_ids + [tokenizer.eos_token_id]))
         examples.sort(key=lambda e: len(e[0]) + len(e[1]))
         chunks = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
@@ -111,27 +120,35 @@ def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int):
             yield input_ids, labels
 
 
-def pretrain(model, tokenizer, task: str, steps: int, seed: int, lr: float, batch_size: int) -> None:
+def pretrain(model, tokenizer, args) -> None:
+    """Supervised steps on clean answers, then the last ``noisy_steps`` on noisy answers.
+
+    The clean phase teaches the mechanism; the noisy phase (each answer character replaced by a
+    random letter with probability ``noise``) raises the entropy of the next-character distribution
+    without unlearning it, so temperature-1 samples of one prompt differ and GRPO has variance to use.
+    """
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    if not 0 <= args.noisy_steps <= args.steps:
+        raise ValueError(f"--noisy-steps: must be in [0, --steps], got {args.noisy_steps}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    clean = _batches(args.task, args.seed, tokenizer, args.batch_size, group=8, noise=0.0)
+    noisy = _batches(args.task, args.seed + 1, tokenizer, args.batch_size, group=8, noise=args.noise)
     model.train()
     start = time.monotonic()
-    batches = _batches(task, seed, tokenizer, batch_size, group=8)
-    for step in range(1, steps + 1):
-        input_ids_BT, labels_BT = next(batches)
-        loss = model(input_ids=input_ids_BT, attention_mask=input_ids_BT.ne(tokenizer.pad_token_id), labels=labels_BT).loss
+    for step in range(1, args.steps + 1):
+        input_ids_BT, labels_BT = next(clean if step <= args.steps - args.noisy_steps else noisy)
+        attention_mask_BT = input_ids_BT.ne(tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % 50 == 0 or step == steps:
-            print(f"step {step:5d}/{steps}  loss {loss.item():.4f}  {time.monotonic() - start:6.1f}s", flush=True)
+        if step % 50 == 0 or step == args.steps:
+            print(f"step {step:4d}/{args.steps}  loss {loss.item():.3f}  {time.monotonic() - start:5.0f}s", flush=True)
     model.eval()
 
 
@@ -158,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "examples" / "tiny")
     parser.add_argument("--task", default=tasks.DEFAULT_TASK, choices=tasks.TASK_NAMES)
     parser.add_argument("--steps", type=int, default=400, help="supervised steps (few on purpose)")
+    parser.add_argument("--noisy-steps", type=int, default=100, help="the last steps train on noisy answers")
+    parser.add_argument("--noise", type=float, default=0.6, help="corruption rate in noisy steps (ramps up along the answer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(tokenizer, args.hidden_size, args.num_layers)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"qwen2 hidden {args.hidden_size} x {args.num_layers} layers: {num_params / 1e6:.2f}M parameters")
-    pretrain(model, tokenizer, args.task, args.steps, args.seed, args.lr, args.batch_size)
+    pretrain(model, tokenizer, args)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)

@@ -110,6 +110,7 @@ class GeneratorService:
             welcome = await self.client.connect(timeout_s=60.0)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
             recv = asyncio.create_task(self.recv_loop(), name="recv")
+            recv.add_done_callback(lambda _: self.wakeup.set())  # an idle main loop must see it end
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             try:
                 await self.main_loop(recv)
@@ -142,6 +143,7 @@ class GeneratorService:
                 version, tensors = self.state.ready_weights
                 self.state.ready_weights = None
                 self.backend.update_weights(tensors, version)
+                await self.client.send(self.stats())  # tools see the new version at once
             elif action is Action.ADMIT:
                 for error in self.admit(self.state.pending_items.popleft()):
                     await self.client.send(error)
@@ -220,6 +222,8 @@ class GeneratorService:
                 await self.on_chunk(msg)
             elif isinstance(msg, m.Shutdown):
                 self.state.shutdown = msg.reason or "trainer shut down"
+                self.wakeup.set()
+                return  # the connection is over; the next recv() would raise ConnectionLost
             elif isinstance(msg, m.Error):
                 log.warning("trainer reported error %d: %s", msg.code, msg.text)
                 if msg.ref_kind == m.WeightsFetch.KIND:
@@ -249,23 +253,25 @@ class GeneratorService:
 
     # ------------------------------------------------------------------------------------ telemetry
 
+    def stats(self) -> m.Stats:
+        b = self.backend.stats
+        elapsed = time.monotonic() - self.started_s
+        counters = {
+            "generator/queue/running": self.backend.num_running,
+            "generator/queue/waiting": self.backend.num_waiting,
+            "generator/queue/pending_items": len(self.state.pending_items),
+            "generator/samples/sent": self.samples_sent,
+            "generator/tokens/generated": b.num_generated_tokens,
+            "generator/throughput/tokens_per_s": b.tokens_per_s,
+            "generator/throughput/wall_tokens_per_s": b.num_generated_tokens / max(elapsed, 1e-9),
+            "generator/time/busy_s": b.prefill_s + b.decode_s,
+            "generator/time/wall_s": elapsed,
+            "generator/work/items_rejected": self.items_rejected,
+        }
+        return m.Stats(role="generator", name=self.name, state=self.status,
+                       policy_version=self.backend.policy_version, counters=counters, wall_s=time.time())
+
     async def stats_loop(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            b = self.backend.stats
-            elapsed = time.monotonic() - self.started_s
-            counters = {
-                "generator/queue/running": self.backend.num_running,
-                "generator/queue/waiting": self.backend.num_waiting,
-                "generator/queue/pending_items": len(self.state.pending_items),
-                "generator/samples/sent": self.samples_sent,
-                "generator/tokens/generated": b.num_generated_tokens,
-                "generator/throughput/tokens_per_s": b.tokens_per_s,
-                "generator/throughput/wall_tokens_per_s": b.num_generated_tokens / max(elapsed, 1e-9),
-                "generator/time/busy_s": b.prefill_s + b.decode_s,
-                "generator/time/wall_s": elapsed,
-                "generator/work/items_rejected": self.items_rejected,
-            }
-            await self.client.send(m.Stats(role="generator", name=self.name, state=self.status,
-                                           policy_version=self.backend.policy_version, counters=counters,
-                                           wall_s=time.time()))
+            await asyncio.sleep(self.cfg.trainer.stats_interval_s)
+            await self.client.send(self.stats())

@@ -39,6 +39,7 @@ class RewardDispatcher:
 
             builtin = REWARD_FNS
         self.builtin = builtin if cfg.mode != "servers" else {}
+        self.num_scored = {"server": 0, "builtin": 0}
 
     def _has_server(self, task: str) -> bool:
         return self.router is not None and self.router.has_server(task)
@@ -49,7 +50,9 @@ class RewardDispatcher:
             while not self._has_server(task) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if self._has_server(task):
-                return await self._score_remote(task, prompt, completion, metadata)
+                reward = await self._score_remote(task, prompt, completion, metadata)
+                self.num_scored["server"] += 1
+                return reward
         fn = self.builtin.get(task)
         if fn is None:
             where = "no reward server scores it" if self.cfg.mode != "builtin" else "no built-in function"
@@ -58,7 +61,9 @@ class RewardDispatcher:
             reward = fn(prompt, completion, metadata)
         except Exception as exc:  # a user-visible reward bug must not stop the run
             raise ScoringFailed("reward_error", f"{type(exc).__name__}: {exc}") from exc
-        return _check_reward(reward)
+        reward = _check_reward(reward)
+        self.num_scored["builtin"] += 1
+        return reward
 
     async def _score_remote(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
         from protocol.reward import RewardUnavailable, ScoreFailed

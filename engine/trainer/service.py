@@ -104,6 +104,7 @@ class TrainerService:
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
+        self.generator_versions: dict[str, int] = {}  # last policy version each generator reported
         self.changed = asyncio.Event()
         self.stop_requested = False
         self.stop_reason = ""
@@ -121,7 +122,6 @@ class TrainerService:
             self.changed.set()
 
     async def run(self) -> dict[str, Any]:
-        from protocol.reward import RewardRouter
         from protocol.transport import Server
 
         cfg = self.cfg.trainer
@@ -134,7 +134,12 @@ class TrainerService:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
         async with self.server:
-            self.rewards = RewardDispatcher(self.cfg.reward, RewardRouter(self.server))
+            router = None
+            if self.cfg.reward.mode != "builtin":
+                from protocol.reward import RewardRouter
+
+                router = RewardRouter(self.server)
+            self.rewards = RewardDispatcher(self.cfg.reward, router)
             self.store.publish("policy", self.learner.policy_version, self.learner.state_dict_for_broadcast())
             (self.run_dir / "endpoint.json").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
@@ -356,6 +361,8 @@ class TrainerService:
 
     async def on_stats(self, peer: Any, msg: m.Stats) -> None:
         self.peer_stats[peer.name] = msg
+        if msg.role == "generator":
+            self.generator_versions[peer.name] = msg.policy_version
         await self.server.publish(msg)
 
     async def on_event(self, peer: Any, msg: m.Event) -> None:
@@ -429,6 +436,8 @@ class TrainerService:
             "reward_last": statistics.fmean(self.step_rewards[-n:]) if self.step_rewards else None,
             "step_rewards": self.step_rewards,
             "prompts_skipped_too_long": self.source.skipped_too_long,
+            "scored_by": dict(self.rewards.num_scored) if self.rewards else {},
+            "generator_policy_versions": dict(self.generator_versions),
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
         }

@@ -1,0 +1,408 @@
+"""The built-in torch backend: continuous batching over a Hugging Face causal LM, synchronous.
+
+    add(request) -> waiting (FIFO) --admit: prefill prompt[:-1] into free rows--> running rows
+    step():  admit (unless pause_admission) -> one decode forward for every running row
+             -> sample one token per row -> rows that hit a stop token / eos / length leave
+    update_weights() between steps: running rows keep their cache (PipelineRL-style in-flight update)
+
+Every step feeds each running row exactly one token (a new row's first fed token is the last prompt
+token), so sampling, log-probs, versions and stop checks happen once per step, batched. Rows and
+their key/value columns live in kv.SlotKVCache; attention masks and positions are built here and
+passed to the model, so no Hugging Face mask or cache logic is involved.
+A later verify-k-tokens forward (speculative decoding) is _forward() with T = k + 1 new tokens per
+row; rejected columns are then set invalid in kv.valid_RC.
+Test: pytest tests/engine/test_backend.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.generator.kv import SlotKVCache
+from engine.generator.sampling import SamplingBatch, request_generator, sample
+from engine.models import check_supported
+from protocol.messages import SamplingParams, WorkItem
+
+_NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
+_MAX_STOP_IDS = 64  # SamplingParams.stop_token_ids max_len
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate. Samples of a group share group_id and prompt, differ in sample_id."""
+
+    group_id: int
+    sample_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def requests_for(item: WorkItem) -> list[Request]:
+    """The requests of one WorkItem: num_samples samples with consecutive sample ids."""
+    prompt = list(item.prompt_token_ids)
+    first = item.first_sample_id
+    return [Request(item.group_id, first + i, prompt, item.sampling) for i in range(item.num_samples)]
+
+
+@dataclass
+class Finished:
+    """A sample that left the backend. Tensors are 1-D, on the CPU, one entry per completion token.
+
+    finish_reason: "stop" (a stop token or eos was sampled; it is the last completion token),
+    "length" (max_new_tokens or max_model_len reached) or "cancelled". queue_s: seconds from add()
+    to the first sampled token; decode_s: from the first token to the finish (time.monotonic)."""
+
+    group_id: int
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: torch.Tensor      # int64 [T]
+    behaviour_logprobs: torch.Tensor  # float32 [T], see sampling.py for the convention
+    policy_versions: torch.Tensor     # int64 [T], the policy version that sampled each token
+    finish_reason: str
+    queue_s: float
+    decode_s: float
+
+
+@dataclass
+class BackendStats:
+    """Counters since construction; times are time.monotonic() seconds spent inside the backend."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of backend time (prefill included)."""
+        busy_s = self.prefill_s + self.decode_s
+        return self.num_generated_tokens / busy_s if busy_s > 0 else 0.0
+
+
+@dataclass
+class _Seq:
+    request: Request
+    generator: torch.Generator
+    added_s: float
+    first_token_s: float = 0.0
+
+
+class TorchBackend:
+    """Continuous batching over a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3 families).
+
+    Not thread-safe: one owner calls add/step/cancel/update_weights. `pause_admission = True` makes
+    step() finish the running rows without admitting new ones (the "finish running sequences first"
+    weight-update mode); drain() does that to the end."""
+
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int,
+                 eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu",
+                 seed: int | None = None):
+        self._check_args(model.config, max_batch_size, max_model_len)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        self.policy_version = 0
+        self.pause_admission = False
+        self.stats = BackendStats()
+        self._model = model.to(self.device).eval()
+        self._base = model.base_model
+        self._lm_head = model.get_output_embeddings()
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._eager = model.config._attn_implementation == "eager"
+        # transformers 5 renamed past_key_values to cache.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self._base.forward).parameters \
+            else "past_key_values"
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._kv = SlotKVCache(num_layers=model.config.num_hidden_layers, max_rows=max_batch_size,
+                               capacity=max_model_len, device=self.device)
+        self._waiting: deque[_Seq] = deque()
+        self._seqs: list[_Seq] = []  # running rows, in row order
+        self._sampling: SamplingBatch | None = None  # rebuilt when rows join or leave
+        self._num_unstamped = 0
+        self._alloc_row_state()
+
+    @staticmethod
+    def _check_args(config, max_batch_size: int, max_model_len: int) -> None:
+        check_supported(config)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+        if config._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"the torch backend needs attn_implementation 'sdpa' or 'eager', got "
+                             f"{config._attn_implementation!r}")
+        window = _sliding_window(config)
+        if window is not None and max_model_len > window:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window {window}; the torch "
+                             "backend supports sliding-window models only within their window")
+
+    def _alloc_row_state(self) -> None:
+        rows, length, dev = self.max_batch_size, self.max_model_len, self.device
+        self._pending_R = torch.zeros(rows, dtype=torch.long, device=dev)  # next token to feed
+        self._pos_R = torch.zeros(rows, dtype=torch.long, device=dev)      # its position
+        self._num_gen_R = torch.zeros(rows, dtype=torch.long, device=dev)
+        self._limit_R = torch.zeros(rows, dtype=torch.long, device=dev)    # completion length cap
+        self._stop_RS = torch.full((rows, _MAX_STOP_IDS + len(self.eos_token_ids)), _NO_TOKEN,
+                                   dtype=torch.long, device=dev)
+        self._out_tokens_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
+        self._out_logprobs_RL = torch.zeros(rows, length, dtype=torch.float32, device=dev)
+        self._out_versions_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
+        self._arange_R = torch.arange(rows, device=dev)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self) -> int:
+        """Requests this backend can take now without queueing beyond one batch."""
+        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue one request; it joins the running batch at a later step(). Raises ValueError for a
+        prompt that is empty, leaves no room for a completion token, or holds an id outside the vocab."""
+        prompt = request.prompt_ids
+        if len(prompt) == 0:
+            raise ValueError(f"group {request.group_id} sample {request.sample_id}: empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"group {request.group_id} sample {request.sample_id}: prompt has {len(prompt)} "
+                             f"tokens, but max_model_len is {self.max_model_len} (prompt plus at least one "
+                             "completion token must fit)")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self._vocab_size:
+            raise ValueError(f"group {request.group_id}: prompt token ids must lie in [0, {self._vocab_size}), "
+                             f"got {low if low < 0 else high}")
+        seed = request.sampling.seed
+        gen = self._generator if seed is None else request_generator(seed, request.sample_id)
+        self._waiting.append(_Seq(request, gen, time.monotonic()))
+
+    def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
+        """Remove every waiting and running sample of these groups; returns them as "cancelled" with
+        the tokens generated so far."""
+        groups = set(group_ids)
+        out = [self._finished(s, _empty_completion(), "cancelled")
+               for s in self._waiting if s.request.group_id in groups]
+        self._waiting = deque(s for s in self._waiting if s.request.group_id not in groups)
+        rows = [i for i, s in enumerate(self._seqs) if s.request.group_id in groups]
+        return out + self._finish_rows(rows, ["cancelled"] * len(rows))
+
+    # no_grad rather than inference_mode: Finished tensors may enter a trainer's autograd graph in
+    # process, which inference tensors refuse.
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Admit waiting requests (unless paused), run one decode step for all running rows, and
+        return the samples that finished in it."""
+        if not self.pause_admission:
+            self._admit()
+        if not self._seqs:
+            return []
+        start_s = time.monotonic()
+        tokens_B, logprobs_B = self._decode_step()
+        finished = self._record_and_collect(tokens_B, logprobs_B)
+        self.stats.num_steps += 1
+        self.stats.decode_s += time.monotonic() - start_s
+        return finished
+
+    def drain(self) -> list[Finished]:
+        """Finish every running row without admitting new ones (waiting requests stay queued)."""
+        paused, self.pause_admission = self.pause_admission, True
+        try:
+            out: list[Finished] = []
+            while self._seqs:
+                out += self.step()
+            return out
+        finally:
+            self.pause_admission = paused
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights (all or some tensors, by state-dict name) between steps. Running rows keep
+        their cache; tokens sampled from the next step on are stamped with `version`. Validates every
+        tensor before copying any, so a bad dict leaves the model untouched."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
+        targets = dict(self._model.named_parameters(remove_duplicate=False))
+        targets.update(self._model.named_buffers(remove_duplicate=False))
+        for name, value in state_dict.items():
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"update_weights: the model has no tensor named {name!r}")
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the model's is "
+                                 f"{tuple(target.shape)}")
+        for name, value in state_dict.items():
+            targets[name].copy_(value)
+        self.policy_version = version
+
+    # ------------------------------------------------------------------ admission (prefill)
+
+    def _admit(self) -> None:
+        num_new = min(self.max_batch_size - len(self._seqs), len(self._waiting))
+        if num_new == 0:
+            return
+        start_s = time.monotonic()
+        first = len(self._seqs)
+        new = [self._waiting.popleft() for _ in range(num_new)]
+        prompts = [s.request.prompt_ids for s in new]
+        lengths = [len(p) - 1 for p in prompts]  # the last prompt token is fed by the decode step
+        width = max(lengths)
+        self._kv.reserve_left(first, width)
+        self._kv.place_rows(first, lengths)
+        if width > 0:
+            self._prefill(first, prompts, lengths, width)
+        self._init_rows(first, new)
+        self._seqs.extend(new)
+        self._num_unstamped = num_new  # rows at the end that get their first token this step
+        self._sampling = None
+        self.stats.num_prefill_tokens += sum(lengths)
+        self.stats.prefill_s += time.monotonic() - start_s
+
+    def _init_rows(self, first: int, new: list[_Seq]) -> None:
+        rows, dev = slice(first, first + len(new)), self.device
+        prompts = [s.request.prompt_ids for s in new]
+        self._pending_R[rows] = torch.tensor([p[-1] for p in prompts], device=dev)
+        self._pos_R[rows] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        self._num_gen_R[rows] = 0
+        limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(s.request.prompt_ids))
+                  for s in new]
+        self._limit_R[rows] = torch.tensor(limits, device=dev)
+        self._stop_RS[rows] = torch.tensor([self._stop_row(s.request.sampling) for s in new], device=dev)
+
+    def _stop_row(self, sampling: SamplingParams) -> list[int]:
+        ids = sorted(set(sampling.stop_token_ids[:_MAX_STOP_IDS]) | set(self.eos_token_ids))
+        return ids + [_NO_TOKEN] * (self._stop_RS.shape[1] - len(ids))
+
+    def _prefill(self, first: int, prompts: list[list[int]], lengths: list[int], width: int) -> None:
+        """Cache prompt[:-1] of the new rows, left-padded to `width`, ending at column kv.end."""
+        ids_bT = torch.tensor([[0] * (width - n) + p[:-1] for p, n in zip(prompts, lengths, strict=True)],
+                              dtype=torch.long, device=self.device)
+        pad_b = torch.tensor([width - n for n in lengths], device=self.device)
+        positions_bT = (torch.arange(width, device=self.device) - pad_b[:, None]).clamp_min(0)
+        rows = slice(first, first + len(prompts))
+        start = self._kv.end - width
+        self._kv.set_window(rows, start, start)
+        self._forward(ids_bT, positions_bT, self._kv.attention_mask(rows, start, width, start))
+
+    # ------------------------------------------------------------------ decoding
+
+    def _forward(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, mask_B1TK: torch.Tensor) -> torch.Tensor:
+        """Run the decoder over T new tokens per row of the cache window set by the caller; returns
+        the final hidden states [B, T, H] (the drafter of speculative decoding will want them)."""
+        if self._eager:
+            # Eager attention adds its mask to the scores, so it needs an additive float mask.
+            neg = torch.finfo(self._lm_head.weight.dtype).min
+            mask_B1TK = torch.zeros(mask_B1TK.shape, dtype=self._lm_head.weight.dtype,
+                                    device=self.device).masked_fill(~mask_B1TK, neg)
+        out = self._base(input_ids=ids_BT, position_ids=positions_BT, attention_mask=mask_B1TK,
+                         use_cache=True, **{self._cache_kwarg: self._kv})
+        return out.last_hidden_state
+
+    def _decode_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_rows, kv = len(self._seqs), self._kv
+        kv.make_room(num_rows, 1)
+        rows, col = slice(0, num_rows), kv.end
+        kv.valid_RC[rows, col] = True
+        kv.set_window(rows, col, kv.lo)
+        mask = kv.attention_mask(rows, col, 1, kv.lo)
+        hidden_BTH = self._forward(self._pending_R[rows, None], self._pos_R[rows, None], mask)
+        kv.end += 1
+        logits_BV = self._lm_head(hidden_BTH[:, -1])
+        if self._sampling is None:
+            self._sampling = SamplingBatch.build([s.request.sampling for s in self._seqs],
+                                                 [s.generator for s in self._seqs], self.device)
+        return sample(logits_BV, self._sampling)
+
+    def _record_and_collect(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> list[Finished]:
+        num_rows = len(self._seqs)
+        rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]
+        num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
+        self._out_tokens_RL[arange_B, num_gen_B] = tokens_B
+        self._out_logprobs_RL[arange_B, num_gen_B] = logprobs_B
+        self._out_versions_RL[arange_B, num_gen_B] = self.policy_version
+        num_gen_B += 1
+        self._pos_R[rows] += 1
+        self._pending_R[rows] = tokens_B
+        self.stats.num_generated_tokens += num_rows
+        now = time.monotonic()
+        for seq in self._seqs[num_rows - self._num_unstamped:]:
+            seq.first_token_s = now
+        self._num_unstamped = 0
+        hit_B = (self._stop_RS[rows] == tokens_B[:, None]).any(-1)
+        done_B = hit_B | (num_gen_B >= self._limit_R[rows])
+        if not bool(done_B.any()):
+            return []
+        done_rows = done_B.nonzero().flatten().tolist()
+        reasons = ["stop" if hit else "length" for hit in hit_B[done_rows].tolist()]
+        return self._finish_rows(done_rows, reasons)
+
+    def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
+        """Build the Finished of these running rows and remove them from the batch."""
+        if not rows:
+            return []
+        lengths = self._num_gen_R[rows].tolist()
+        out = []
+        for row, length, reason in zip(rows, lengths, reasons, strict=True):
+            completion = (self._out_tokens_RL[row, :length].cpu(), self._out_logprobs_RL[row, :length].cpu(),
+                          self._out_versions_RL[row, :length].cpu())
+            out.append(self._finished(self._seqs[row], completion, reason))
+        self._remove_rows(set(rows))
+        return out
+
+    def _remove_rows(self, drop: set[int]) -> None:
+        keep = [i for i in range(len(self._seqs)) if i not in drop]
+        self._kv.keep_rows(keep)
+        if keep != list(range(len(keep))):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
+                          self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL):
+                state[: len(keep)] = state[index]
+        self._seqs = [self._seqs[i] for i in keep]
+        self._sampling = None
+        # Leaving rows may have been the longest ones: narrowing the window shortens attention.
+        self._kv.trim_lo(len(keep))
+
+    def _finished(self, seq: _Seq, completion: Sequence[torch.Tensor], reason: str) -> Finished:
+        now = time.monotonic()
+        first = seq.first_token_s or now
+        tokens, logprobs, versions = (t.clone() for t in completion)
+        req = seq.request
+        return Finished(req.group_id, req.sample_id, req.prompt_ids, tokens, logprobs, versions, reason,
+                        queue_s=first - seq.added_s, decode_s=now - first)
+
+
+def _empty_completion() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32),
+            torch.zeros(0, dtype=torch.long))
+
+
+def _sliding_window(config) -> int | None:
+    """The sliding window some attention layers use, or None when every layer attends fully."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)

@@ -1,0 +1,81 @@
+"""Loading policy models and tokenizers: local Hugging Face checkpoints of the supported families.
+
+`load_model("tiny")` loads the tiny model shipped under examples/tiny/ (built by
+tools/make_tiny_model.py); any other name is a checkpoint folder (or, where the Hub is reachable, a
+Hub id). Only architectures the torch backend and branch-replay are tested on are accepted.
+Test: pytest tests/engine/test_backend.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL_PATH = Path(__file__).resolve().parents[1] / "examples" / "tiny"
+"""The shipped tiny model (a source checkout or editable install; examples/ is not packaged)."""
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Hugging Face `model_type`s of the supported families."""
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def resolve_model_path(path_or_name: str | Path) -> str:
+    """"tiny" -> the shipped tiny model; anything else unchanged. Raises ValueError when "tiny" is
+    asked for but not present (a checkout without examples/)."""
+    if str(path_or_name) == "tiny":
+        if not (TINY_MODEL_PATH / "config.json").is_file():
+            raise ValueError(f"the shipped tiny model is missing: no config.json in {TINY_MODEL_PATH} "
+                             "(run tools/make_tiny_model.py)")
+        return str(TINY_MODEL_PATH)
+    return str(path_or_name)
+
+
+def check_supported(config: Any) -> None:
+    """Raise ValueError unless `config` (a transformers config) belongs to a supported family."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported; tailrace supports the Llama, "
+                         f"Mistral, Qwen2 and Qwen3 families (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def _torch_dtype(dtype: Any):
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or a torch.dtype, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_model(path_or_name: str | Path, dtype: Any = "float32", device: Any = "cpu"):
+    """A causal LM in eval mode with SDPA attention, on `device`. Raises ValueError for an
+    unsupported architecture (before any weights are read) or a bad dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(path_or_name)
+    torch_dtype = _torch_dtype(dtype)
+    check_supported(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def load_tokenizer(path_or_name: str | Path):
+    """The tokenizer saved with a checkpoint ("tiny" for the shipped one)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path_or_name))
+
+
+def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
+    """Every end-of-sequence id the model's generation config or the tokenizer declares."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(t) for t in source)
+    return sorted(ids)

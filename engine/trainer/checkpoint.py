@@ -1,0 +1,190 @@
+"""Checkpoints that resume a run exactly and that `transformers` loads as a model.
+
+    ROOT/step_000012/  config.json, model*.safetensors (save_pretrained), tokenizer files (if given),
+                       optimizer.pt, scheduler.pt, rng_rank{R}.pt, trainer_state.json (written last)
+
+A checkpoint is written into ROOT/.tmp-step_N and renamed into place, so a crash never leaves a
+half-written step_N; only the newest `keep_last` are kept. The .pt files are our own local files, never
+network input, and are still read with weights_only=True. Test: pytest tests/engine/test_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from engine.trainer import dist
+from engine.trainer.learner import Learner
+
+PREFIX = "step_"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:06d}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save(
+    root: str | os.PathLike,
+    learner: Learner,
+    *,
+    data_position: dict[str, Any],
+    counters: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    keep_last: int = 3,
+) -> Path:
+    """Write the learner's full state as ROOT/step_<learner.step_count>; every rank calls this.
+
+    data_position: the caller's opaque, JSON-serialisable position in its data (restored verbatim).
+    counters: other JSON-serialisable run counters (samples trained, discards by reason, ...).
+    Returns the checkpoint folder.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
+    root = Path(root)
+    final = root / checkpoint_name(learner.step_count)
+    tmp = root / f".tmp-{final.name}"
+    if dist.is_rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
+        tmp.mkdir()
+    dist.barrier()
+    torch.save(_rng_state(), tmp / f"rng_rank{dist.rank()}.pt")
+    if dist.is_rank0():
+        learner.model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        state = learner.state_dict()
+        torch.save(state["optimizer"], tmp / "optimizer.pt")
+        torch.save(state["scheduler"], tmp / "scheduler.pt")
+    dist.barrier()  # every rank's RNG file is in tmp before it becomes visible
+    if dist.is_rank0():
+        trainer_state = {
+            "format_version": FORMAT_VERSION,
+            "step": learner.step_count,
+            "policy_version": learner.policy_version,
+            "data_position": data_position,
+            "counters": counters or {},
+            "world_size": dist.world_size(),
+            "saved_wall_s": time.time(),
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        _replace_dir(tmp, final)
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename src to dst; an existing dst (the same step saved twice) is moved aside first, then removed."""
+    if dst.exists():
+        trash = dst.with_name(f".old-{dst.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(dst, trash)
+        os.replace(src, dst)
+        shutil.rmtree(trash)
+    else:
+        os.replace(src, dst)
+
+
+def load(folder: str | os.PathLike, learner: Learner) -> dict[str, Any]:
+    """Restore model weights, optimizer, scheduler, counters and this rank's RNG into `learner`.
+
+    The learner must be built with the same model architecture and config. Returns trainer_state.json.
+    """
+    folder = Path(folder)
+    state_path = folder / STATE_FILE
+    if not state_path.is_file():
+        raise ValueError(f"checkpoint: {folder} is not a complete checkpoint (no {STATE_FILE})")
+    trainer_state = json.loads(state_path.read_text())
+    if trainer_state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint: format_version {trainer_state.get('format_version')} != {FORMAT_VERSION}")
+    load_model_weights(learner.model, folder)
+    learner.load_state_dict({
+        "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True),
+        "scheduler": torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True),
+        "step_count": trainer_state["step"],
+        "policy_version": trainer_state["policy_version"],
+    })
+    rng_path = folder / f"rng_rank{dist.rank()}.pt"
+    # A run resumed on more ranks than it was saved with has no RNG state for the new ranks; they keep
+    # their seeded streams (the run continues, just not bit for bit).
+    if rng_path.is_file():
+        _set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True))
+    return trainer_state
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Copy the safetensors weights of a save_pretrained folder into model (dtype and device kept)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(folder / name, device="cpu"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # save_pretrained writes a tied parameter once; its other names are legitimately missing.
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    loaded = set(weights)
+    by_name = {n: names for names in aliases.values() for n in names}
+    really_missing = [n for n in missing if not loaded.intersection(by_name.get(n, []))]
+    if unexpected or really_missing:
+        raise ValueError(f"checkpoint: weights do not match the model: missing {really_missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def _rng_state() -> dict[str, Any]:
+    np_kind, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_kind": np_kind,
+        "numpy_key": torch.from_numpy(np.asarray(np_key, dtype=np.int64)),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "python_version": py_version,
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": py_gauss,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state((state["numpy_kind"], state["numpy_key"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    random.setstate((state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,469 @@
+"""The learner: one optimizer step per batch of scored samples, over a Hugging Face causal LM.
+
+    step(batch) -> advantages (GRPO, when given groups) -> shard across ranks -> forward/backward
+    strategy (every completion token once, step-wide loss normaliser) -> all-reduce gradients ->
+    clip -> AdamW -> LR schedule -> policy_version + 1 -> metrics
+
+The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
+micro-batches) lives here; branch-replay and packed tries (issue 4) register themselves in STRATEGIES.
+Test: pytest tests/engine/test_learner.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.samples import Group, TrainSample, flatten_samples
+from engine.trainer import dist
+from engine.trainer.loss import (
+    STAT_KEYS,
+    LossConfig,
+    LossNormaliser,
+    StepLoss,
+    add_stats,
+    assign_advantages,
+    finalize_metrics,
+)
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    """Optimizer, schedule and execution of the learning step.
+
+    max_grad_norm: clip the global gradient norm to this (0 disables clipping; the norm is still logged).
+    lr_schedule: "constant", or "cosine"/"linear" decay from lr to lr * min_lr_ratio at total_steps;
+    warmup_steps of linear warmup precede any of them. micro_batch_tokens: padded tokens (rows x longest
+    row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
+    replay: forward/backward strategy, a key of STRATEGIES.
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    micro_batch_tokens: int = 8192
+    logprob_chunk_tokens: int = 1024
+    log_entropy: bool = True
+    replay: str = "naive"
+    seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # TOML gives lists
+        if not (self.lr > 0.0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr: must be finite and > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas: two values in [0, 1), got {self.betas}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.adam_eps > 0.0:
+            raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule: must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"total_steps: {self.lr_schedule} decay needs total_steps > warmup_steps")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
+            raise ValueError("micro_batch_tokens, logprob_chunk_tokens: must be >= 1")
+
+
+@dataclass
+class LRSchedule:
+    """LR multiplier per optimizer step. A plain object (not a lambda) so LambdaLR's state_dict keeps it."""
+
+    kind: str
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------- log-probs
+
+
+def _chunk_logprobs(
+    hidden_CH: torch.Tensor, lm_head: nn.Module, labels_C: torch.Tensor, temperature_C: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_CV = lm_head(hidden_CH)
+    logits_CV = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
+    # Division, not multiplication by 1/T: the same rounding as the generator's logits / temperature.
+    logits_CV = logits_CV / temperature_C.to(logits_CV.dtype)[:, None]
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    logp_C = logits_CV.gather(-1, labels_C[:, None]).squeeze(-1) - lse_C
+    entropy_C = logp_C.new_zeros(0)
+    if with_entropy:
+        with torch.no_grad():
+            entropy_C = lse_C - (torch.softmax(logits_CV, dim=-1) * logits_CV).sum(-1)
+    return logp_C, entropy_C
+
+
+def completion_logprobs(
+    hidden_NH: torch.Tensor,
+    lm_head: nn.Module,
+    labels_N: torch.Tensor,
+    temperature_N: torch.Tensor,
+    *,
+    chunk_rows: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of labels_N under softmax(lm_head(hidden) / temperature).
+
+    Only the selected rows reach the LM head, a chunk at a time; with autograd on, each chunk is
+    recomputed in backward (activation checkpointing), so at most one [chunk, V] float32 block of
+    logits is alive, never the [B, T, V] tensor. kernels/logprobs.py (issue 4) replaces this.
+    """
+    logps, entropies = [], []
+    recompute = torch.is_grad_enabled() and hidden_NH.requires_grad
+    for start in range(0, hidden_NH.shape[0], chunk_rows):
+        args = (hidden_NH[start : start + chunk_rows], lm_head, labels_N[start : start + chunk_rows],
+                temperature_N[start : start + chunk_rows], with_entropy)
+        if recompute:
+            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp_C, entropy_C = _chunk_logprobs(*args)
+        logps.append(logp_C)
+        entropies.append(entropy_C)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def _check_plain_lm_head(model: nn.Module) -> None:
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(model.config, attr, None) not in (None, 1.0):
+            raise ValueError(f"model: config.{attr} transforms the logits; supported families are "
+                             "Llama, Qwen2, Qwen3 and Mistral (plain LM head)")
+
+
+# ---------------------------------------------------------------------------------------- micro-batches
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows plus, for each loss row, where its predicting hidden state is.
+
+    A row holds prompt + completion[:-1]: the last completion token is a label only. Loss row n is the
+    completion token pos_N[n] of samples[sample_idx_N[n]], predicted by hidden state (row_N, col_N).
+    """
+
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    position_ids_BL: torch.Tensor
+    row_N: torch.Tensor
+    col_N: torch.Tensor
+    labels_N: torch.Tensor
+    temperature_N: torch.Tensor
+    sample_idx_N: torch.Tensor
+    pos_N: torch.Tensor
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.input_ids_BL.numel()
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices per micro-batch, longest first, so that rows x longest row <= max_tokens (a row longer
+    than max_tokens goes alone). Deterministic: ties keep input order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        # Sorted longest first, so a batch's first row is its longest.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def collate(samples: Sequence[TrainSample], indices: Sequence[int], device: torch.device, pad_id: int = 0) -> MicroBatch:
+    rows = [torch.cat([samples[i].prompt_ids, samples[i].completion_ids[:-1]]) for i in indices]
+    width = max(r.numel() for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    fields: dict[str, list[torch.Tensor]] = {k: [] for k in ("row", "col", "labels", "temp", "sample", "pos")}
+    for b, (i, row) in enumerate(zip(indices, rows, strict=True)):
+        s = samples[i]
+        input_ids[b, : row.numel()] = row
+        mask[b, : row.numel()] = 1
+        t = s.num_completion_tokens
+        pos = torch.arange(t, dtype=torch.int64)
+        fields["row"].append(torch.full((t,), b, dtype=torch.int64))
+        fields["col"].append(pos + (s.num_prompt_tokens - 1))
+        fields["labels"].append(s.completion_ids)
+        fields["temp"].append(torch.full((t,), s.temperature, dtype=torch.float64))
+        fields["sample"].append(torch.full((t,), i, dtype=torch.int64))
+        fields["pos"].append(pos)
+    cat = {k: torch.cat(v).to(device) for k, v in fields.items()}
+    positions = torch.arange(width, dtype=torch.int64).expand(len(rows), width)
+    return MicroBatch(input_ids.to(device), mask.to(device), positions.to(device), cat["row"], cat["col"],
+                      cat["labels"], cat["temp"], cat["sample"], cat["pos"])
+
+
+def forward_logprobs(
+    model: nn.Module, mb: MicroBatch, *, chunk_rows: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of a micro-batch's loss rows: decoder forward, then the LM head on those rows only."""
+    out = model.get_decoder()(
+        input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL, position_ids=mb.position_ids_BL,
+        use_cache=False,
+    )
+    hidden_NH = out.last_hidden_state[mb.row_N, mb.col_N]
+    return completion_logprobs(hidden_NH, model.get_output_embeddings(), mb.labels_N, mb.temperature_N,
+                               chunk_rows=chunk_rows, with_entropy=with_entropy)
+
+
+@torch.no_grad()
+def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_batch_tokens: int,
+                    chunk_rows: int) -> list[torch.Tensor]:
+    """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy)."""
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+    lengths = [s.num_tokens - 1 for s in samples]
+    for indices in plan_micro_batches(lengths, micro_batch_tokens):
+        mb = collate(samples, indices, device)
+        logp_N, _ = forward_logprobs(model, mb, chunk_rows=chunk_rows)
+        logp_N = logp_N.cpu()
+        for i in indices:
+            out[i] = logp_N[mb.sample_idx_N.cpu() == i]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- strategies
+
+
+class ForwardBackward(Protocol):
+    """Runs forward and backward for every completion token of `samples` (logically) exactly once.
+
+    Calls loss_fn(logp_N, sample_idx_N, pos_N, normaliser, entropy_N=...) on the rows it computes and
+    backpropagates the returned losses; gradients accumulate into .grad (the learner zeroes and steps).
+    Returns the summed loss statistics (loss.STAT_KEYS) plus its own counts ("padded_tokens", ...), as
+    float64 scalars; extra keys must be the same on every rank (they are all-reduced by name) and are
+    reported as trainer/strategy/<key>.
+    """
+
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+                 normaliser: LossNormaliser) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class NaiveForwardBackward:
+    """Every sample as its own right-padded row, in micro-batches of at most micro_batch_tokens."""
+
+    micro_batch_tokens: int
+    logprob_chunk_tokens: int
+    log_entropy: bool = True
+
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+                 normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
+        device = next(model.parameters()).device
+        stats: dict[str, torch.Tensor] = {}
+        lengths = [s.num_tokens - 1 for s in samples]
+        for indices in plan_micro_batches(lengths, self.micro_batch_tokens):
+            mb = collate(samples, indices, device)
+            logp_N, entropy_N = forward_logprobs(model, mb, chunk_rows=self.logprob_chunk_tokens,
+                                                 with_entropy=self.log_entropy)
+            loss, part = loss_fn(logp_N, mb.sample_idx_N, mb.pos_N, normaliser, entropy_N=entropy_N)
+            loss.backward()
+            part["padded_tokens"] = torch.tensor(float(mb.num_padded_tokens), dtype=torch.float64)
+            add_stats(stats, part)
+        return stats
+
+
+def _naive(config: LearnerConfig) -> ForwardBackward:
+    return NaiveForwardBackward(config.micro_batch_tokens, config.logprob_chunk_tokens, config.log_entropy)
+
+
+# Strategy name -> factory from the learner config. Issue 4 adds "replay", "packed" and "auto".
+STRATEGIES: dict[str, Callable[[LearnerConfig], ForwardBackward]] = {"naive": _naive}
+
+
+# ---------------------------------------------------------------------------------------------- learner
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains (1-D) are not pulled toward zero."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # deduplicated: a tied embedding appears once
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _batch_metrics(samples: Sequence[TrainSample], normaliser: LossNormaliser, staleness: Sequence[int],
+                   stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    return {
+        "trainer/tokens/logical": float(sum(s.num_tokens for s in samples)),
+        "trainer/tokens/loss": float(normaliser.num_tokens),
+        "trainer/tokens/padded": float(stats["padded_tokens"]),
+        "trainer/samples": float(len(samples)),
+        "trainer/reward/mean": float(rewards.mean()),
+        "trainer/reward/std": float(rewards.std(unbiased=False)),
+        # Samples of groups whose rewards were all equal: no learning signal in this step.
+        "trainer/advantage/zero_frac": sum(s.advantage == 0.0 for s in samples) / len(samples),
+        "trainer/staleness/max": float(max(staleness)),
+        "trainer/staleness/mean": sum(staleness) / len(staleness),
+    }
+
+
+class Learner:
+    """Owns the policy model, AdamW, the LR schedule and an optional frozen reference model.
+
+    Every rank constructs one and calls step() with the same whole batch; see engine/trainer/dist.py.
+    policy_version counts optimizer steps from `initial_policy_version` (the weights it starts with).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LearnerConfig,
+        *,
+        ref_model: nn.Module | None = None,
+        forward_backward: ForwardBackward | None = None,
+        initial_policy_version: int = 0,
+    ) -> None:
+        if config.replay not in STRATEGIES:
+            raise ValueError(f"replay: must be one of {sorted(STRATEGIES)}, got {config.replay!r}")
+        if config.loss.kl_coef > 0.0 and ref_model is None:
+            raise ValueError("loss.kl_coef: > 0 needs a reference model")
+        _check_plain_lm_head(model)
+        seed_everything(config.seed)
+        self.model = model
+        self.config = config
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+        self.forward_backward = forward_backward or STRATEGIES[config.replay](config)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.adam_eps
+        )
+        schedule = LRSchedule(config.lr_schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.step_count = 0
+        self.policy_version = initial_policy_version
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on a batch. Groups get GRPO advantages from their rewards; bare samples are
+        trained with the advantage they carry. Returns metrics named trainer/<group>/<name>."""
+        start_s = time.monotonic()
+        samples = flatten_samples(batch)
+        if not samples:
+            raise ValueError("batch: no samples")
+        assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
+        normaliser = LossNormaliser.from_samples(samples)
+        mine = dist.shard(samples, lambda s: s.num_tokens, dist.rank(), dist.world_size())
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
+        if mine:
+            loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=self._ref_logprobs(mine))
+            add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
+        stats = dist.all_reduce_stats_(stats)
+        dist.all_reduce_grads_(self.params)
+
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        # A non-finite gradient would poison the weights and Adam's moments for good: skip the update,
+        # but keep the step count so schedule, versions and data position stay aligned.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # LambdaLR warns when the optimizer did not step, which is exactly the skipped case.
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
+            self.scheduler.step()
+        staleness = [self.policy_version - s.min_policy_version for s in samples]
+        self.step_count += 1
+        self.policy_version += 1
+
+        metrics = finalize_metrics(stats)
+        metrics.update(_batch_metrics(samples, normaliser, staleness, stats))
+        # A strategy's own counts (e.g. unique tokens under branch-replay) pass through by name.
+        metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
+                        if k not in STAT_KEYS and k != "padded_tokens"})
+        metrics.update({
+            "trainer/step": float(self.step_count),
+            "trainer/policy_version": float(self.policy_version),
+            "trainer/lr": lr,
+            "trainer/grad/norm": grad_norm,
+            "trainer/grad/skipped": float(skipped),
+            "trainer/time/step_s": time.monotonic() - start_s,
+        })
+        return metrics
+
+    def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
+        if self.ref_model is None or self.config.loss.kl_coef == 0.0:
+            return None
+        return sample_logprobs(self.ref_model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
+                               chunk_rows=self.config.logprob_chunk_tokens)
+
+    def state_dict_for_broadcast(self) -> dict[str, torch.Tensor]:
+        """CPU copy of the weights (name -> tensor) that later optimizer steps cannot change.
+
+        Tied parameters (embedding and LM head) keep both names but share one copy.
+        """
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+            if tensor.numel() == 0 or key not in copies:
+                copies[key] = tensor.detach().to("cpu", copy=True)
+            out[name] = copies[key]
+        return out
+
+    def state_dict(self) -> dict:
+        """Optimizer, scheduler and counters (the model's weights are saved separately, in safetensors)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step_count": self.step_count,
+            "policy_version": self.policy_version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step_count"])
+        self.policy_version = int(state["policy_version"])

@@ -1,0 +1,202 @@
+"""Property-based codec tests (hypothesis): random valid messages of every kind, drawn from the schema's
+own bounds, round trip equal; mutated or random frames never raise anything but ProtocolError.
+Run: pytest tests/protocol/test_codec_properties.py
+"""
+
+import dataclasses
+import types
+import typing
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from wire_examples import assert_same, examples, rollout
+
+from protocol.codec import ProtocolError, decode, encode
+from protocol.messages import Rollout
+from protocol.schema import DEFAULT_MAX_STR, INT64_MAX, INT64_MIN, MESSAGE_CLASSES, Array, Scalar
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+
+
+@st.composite
+def tensors(draw, dtypes=None, ndim=None, length=None):
+    """A torch tensor or numpy array, sometimes non-contiguous, sometimes over the inline threshold."""
+    name = draw(st.sampled_from(sorted(dtypes or TORCH_DTYPES)))
+    if length is not None:
+        shape = [length]
+    else:
+        rank = ndim if ndim is not None else draw(st.integers(0, 3))
+        shape = draw(st.lists(st.sampled_from([0, 1, 2, 5, 17]), min_size=rank, max_size=rank))
+        if rank == 1:
+            shape = [draw(st.sampled_from([0, 1, 7, 255, 256, 257, 400]))]
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    value = (torch.randn(shape, generator=g, dtype=torch.float64) * 1000).to(TORCH_DTYPES[name])
+    if name == "bool":
+        value = torch.randint(0, 2, shape, generator=g).bool()
+    if len(shape) >= 2 and draw(st.booleans()):
+        value = value.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    if name != "bfloat16" and draw(st.booleans()):
+        return value.numpy()
+    return value
+
+
+def strategy(tp, meta):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    lo, hi, max_len, choices = meta["ge"], meta["le"], meta["max_len"], meta["choices"]
+    if tp == Scalar:
+        return st.one_of(st.none(), st.booleans(), st.integers(INT64_MIN, INT64_MAX), st.floats(),
+                         st.text(max_size=20))
+    if origin in (types.UnionType, typing.Union):
+        inner = next(a for a in args if a is not type(None))
+        return st.one_of(st.none(), strategy(inner, meta))
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return st.integers(INT64_MIN if lo is None else lo, INT64_MAX if hi is None else hi)
+    if tp is float:
+        return st.floats(min_value=lo, max_value=hi, allow_nan=lo is None and hi is None)
+    if tp is str:
+        return st.sampled_from(choices) if choices else st.text(max_size=min(max_len or DEFAULT_MAX_STR, 30))
+    if tp is Array:
+        return tensors(meta["dtypes"], meta["ndim"])
+    if origin is list:
+        return st.lists(strategy(args[0], dict(meta, max_len=None)), max_size=min(max_len or 5, 5))
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=12), strategy(args[1], dict(meta, max_len=None)),
+                               max_size=min(max_len or 4, 4))
+    if dataclasses.is_dataclass(tp):
+        return messages(tp)
+    raise TypeError(tp)
+
+
+@st.composite
+def rollouts(draw):
+    length = draw(st.sampled_from([0, 1, 5, 300]))
+    int_dtypes = ("int32", "int64")
+    fields = {name: draw(strategy(tp, meta)) for name, tp, meta in Rollout.__wire_fields__}
+    fields["completion_token_ids"] = draw(tensors(int_dtypes, length=length))
+    fields["behaviour_logprobs"] = draw(tensors(("float32",), length=length))
+    fields["policy_versions"] = draw(tensors(int_dtypes, length=length))
+    fields["min_policy_version"], fields["max_policy_version"] = sorted(
+        (fields["min_policy_version"], fields["max_policy_version"]))
+    return Rollout(**fields)
+
+
+def messages(cls):
+    if cls is Rollout:
+        return rollouts()
+    return st.builds(cls, **{name: strategy(tp, meta) for name, tp, meta in cls.__wire_fields__})
+
+
+any_message = st.sampled_from(sorted(MESSAGE_CLASSES.values(), key=lambda c: c.KIND)).flatmap(messages)
+
+
+@FUZZ
+@given(any_message)
+def test_random_valid_messages_round_trip(msg):
+    frames = encode(msg)
+    assert_same(msg, decode(frames))
+    assert_same(msg, decode([bytes(memoryview(f).cast("B")) for f in frames]))
+
+
+def decode_or_protocol_error(frames):
+    try:
+        decode(frames)
+    except ProtocolError as exc:
+        assert exc.code in (400, 401, 402, 403, 404), exc
+        assert str(exc)
+
+
+@st.composite
+def mutated(draw):
+    msg = draw(st.one_of(any_message, st.sampled_from([m for m, _ in examples()])))
+    frames = [bytearray(memoryview(f).cast("B")) for f in encode(msg)]
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.sampled_from([0, *[1] * 4, *range(2, len(frames))]))  # mostly the body
+        if i >= len(frames):
+            continue
+        frame = frames[i]
+        action = draw(st.sampled_from(["flip", "truncate", "extend", "drop_frame", "add_frame", "set"]))
+        if action == "flip" and frame:
+            frame[draw(st.integers(0, len(frame) - 1))] ^= 1 << draw(st.integers(0, 7))
+        elif action == "set" and frame:
+            frame[draw(st.integers(0, len(frame) - 1))] = draw(st.integers(0, 255))
+        elif action == "truncate":
+            del frame[draw(st.integers(0, len(frame))):]
+        elif action == "extend":
+            frame.extend(draw(st.binary(min_size=1, max_size=8)))
+        elif action == "drop_frame" and len(frames) > 1:
+            del frames[i]
+        elif action == "add_frame":
+            frames.insert(i, bytearray(draw(st.binary(max_size=16))))
+    return [bytes(f) for f in frames]
+
+
+@FUZZ
+@given(mutated())
+def test_mutated_frames_raise_only_protocol_error(frames):
+    decode_or_protocol_error(frames)
+
+
+wire_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(),
+              st.text(max_size=8), st.binary(max_size=16), st.sampled_from(["float32", "int32", "bool", "policy"])),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=20,
+)
+
+
+@FUZZ
+@given(st.sampled_from(sorted(MESSAGE_CLASSES)), wire_values, st.lists(st.binary(max_size=64), max_size=3))
+def test_random_bodies_raise_only_protocol_error(kind, body, extra):
+    header = b"TR\x01" + bytes((kind,))
+    decode_or_protocol_error([header, msgpack.packb(body), *extra])
+
+
+@st.composite
+def leaf_replaced(draw):
+    """A valid message's wire values with one leaf replaced by a random value: exercises validators."""
+    msg = draw(any_message)
+    frames = encode(msg)
+    values = msgpack.unpackb(frames[1])
+    path, node = [], values
+    while isinstance(node, list | dict) and node:
+        key = draw(st.sampled_from(list(node.keys()) if isinstance(node, dict) else range(len(node))))
+        path.append((node, key))
+        node = node[key]
+        if not draw(st.integers(0, 2)):
+            break
+    assume(path)
+    parent, key = path[-1]
+    parent[key] = draw(wire_values)
+    return [frames[0], msgpack.packb(values), *frames[2:]]
+
+
+@FUZZ
+@given(leaf_replaced())
+def test_random_field_values_raise_only_protocol_error(frames):
+    decode_or_protocol_error(frames)
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=40), max_size=5))
+def test_random_frames_raise_only_protocol_error(frames):
+    decode_or_protocol_error(frames)
+    decode_or_protocol_error([b"TR\x01\x14", *frames])
+
+
+def test_numpy_and_torch_inputs_decode_alike():
+    value = np.arange(12, dtype=np.int32)
+    a = encode(Rollout(**{**rollout().__dict__, "prompt_token_ids": value}))
+    b = encode(Rollout(**{**rollout().__dict__, "prompt_token_ids": torch.from_numpy(value)}))
+    assert a[1] == b[1]

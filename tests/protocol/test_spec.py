@@ -1,0 +1,197 @@
+"""protocol/SPEC.md cannot drift from the code: its message tables equal what protocol/messages.py declares
+(kind codes, field names in wire order, types, bounds, defaults), its error codes equal ErrorCode, its
+dtype table equals the codec's, and its worked example bytes are what our codec produces.
+
+Run: pytest tests/protocol/test_spec.py
+Regenerate the "Messages" section after changing messages.py: python tests/protocol/test_spec.py --write
+"""
+
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+
+from protocol.codec import decode, encode
+from protocol.messages import ErrorCode, Score, ScoreRequest
+from protocol.schema import DTYPES, MESSAGE_CLASSES, STRUCT_CLASSES, describe_bounds, describe_type
+
+SPEC = Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md"
+
+WORKED_REQUEST = ScoreRequest(request_id=77, task="copy", prompt="copy: abc\n", completion="abc",
+                              metadata={"answer": "abc"}, timeout_s=10.0)
+WORKED_REPLY = Score(request_id=77, reward=1.0, details={"exact": 1.0})
+
+
+# ---------------------------------------------------------------------------------------- rendering
+
+
+def wire_classes() -> list[type]:
+    return [*STRUCT_CLASSES, *sorted(MESSAGE_CLASSES.values(), key=lambda c: c.KIND)]
+
+
+def heading(cls: type) -> str:
+    return f"### {cls.KIND} {cls.__name__}" if hasattr(cls, "KIND") else f"### {cls.__name__} (structure)"
+
+
+def default_text(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return f"{type(value).__name__} with its defaults" if dataclasses.is_dataclass(value) else repr(value)
+    if f.default is dataclasses.MISSING:
+        return "required"
+    if f.default is None or isinstance(f.default, bool):
+        return {None: "nil", True: "true", False: "false"}[f.default]
+    return f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+
+
+def table_rows(cls: type) -> list[list[str]]:
+    fields = dataclasses.fields(cls)
+    return [[str(i), f"`{name}`", describe_type(tp),
+             describe_bounds(tp, meta) or ("see its table" if dataclasses.is_dataclass(tp) else "any"), default_text(f)]
+            for i, ((name, tp, meta), f) in enumerate(zip(cls.__wire_fields__, fields, strict=True))]
+
+
+CROSS_FIELD_CHECKS = {
+    "Rollout": "Also required (else 401): `behaviour_logprobs` and `policy_versions` have as many elements as "
+               "`completion_token_ids`, and `min_policy_version` <= `max_policy_version`.",
+}
+"""What each class's __post_init__ checks, in words; every class with a __post_init__ needs an entry."""
+
+
+def prose(cls: type) -> str:
+    """The class docstring without its Example paragraph, as one paragraph of Markdown."""
+    doc = inspect.cleandoc(cls.__doc__ or "").split("Example:")[0]
+    return " ".join([*doc.split(), *CROSS_FIELD_CHECKS.get(cls.__name__, "").split()])
+
+
+def render_messages_section() -> str:
+    lines = [
+        "## Messages",
+        "",
+        "Generated from protocol/messages.py by `python tests/protocol/test_spec.py --write`; "
+        "tests/protocol/test_spec.py fails when this section and the code disagree. Each table lists a body's "
+        "fields in wire order (`#` is the position in the body array). A body may omit trailing fields "
+        "whose default is not `required`; the receiver then uses the default. Structures are encoded as "
+        "arrays of their fields, exactly like a body. Bounds are inclusive.",
+        "",
+    ]
+    for cls in wire_classes():
+        lines += [heading(cls), "", prose(cls), "",
+                  "| # | field | type | bounds | default |", "|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(cls)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+def section(text: str, title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"SPEC.md has no '## {title}' section"
+    return match.group(1)
+
+
+def parse_tables(text: str) -> dict[str, list[list[str]]]:
+    """heading -> table rows (cells stripped), for every ### heading of a section."""
+    tables: dict[str, list[list[str]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            current = line.strip()
+            tables[current] = []
+        elif current and line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+            if cells[0] != "#":
+                tables[current].append(cells)
+    return tables
+
+
+def parse_frames(text: str) -> list[bytes]:
+    """Frames written as `frame N  hex hex ...` with continuation lines of hex in code blocks."""
+    frames: list[bytearray] = []
+    for line in text.splitlines():
+        match = re.match(r"^frame (\d+)\s+((?:[0-9a-f]{2}\s*)+)$", line)
+        if match:
+            assert int(match.group(1)) == len(frames), line
+            frames.append(bytearray.fromhex(match.group(2)))
+        elif frames and re.match(r"^\s{6,}((?:[0-9a-f]{2}\s*)+)$", line):
+            frames[-1] += bytes.fromhex(line)
+        elif not line.startswith(" "):
+            if frames and line.startswith("```"):
+                break
+    return [bytes(f) for f in frames]
+
+
+# ---------------------------------------------------------------------------------------- tests
+
+
+def spec_text() -> str:
+    return SPEC.read_text(encoding="utf-8")
+
+
+def test_spec_has_its_title_and_sections():
+    text = spec_text()
+    assert text.startswith("# tailrace wire protocol, version 1\n")
+    for title in ("Frames", "Types", "Messages", "Error codes", "Worked example"):
+        section(text, title)
+
+
+def test_message_tables_match_messages_py():
+    tables = parse_tables(section(spec_text(), "Messages"))
+    expected = {heading(cls): table_rows(cls) for cls in wire_classes()}
+    assert list(tables) == list(expected), "headings differ: run python tests/protocol/test_spec.py --write"
+    for title, rows in expected.items():
+        assert tables[title] == rows, f"{title}: table differs; run python tests/protocol/test_spec.py --write"
+
+
+def test_every_cross_field_check_is_documented():
+    with_checks = {cls.__name__ for cls in wire_classes() if hasattr(cls, "__post_init__")}
+    assert with_checks == set(CROSS_FIELD_CHECKS)
+
+
+def test_error_codes_match():
+    rows = [r for r in parse_tables("### codes\n" + section(spec_text(), "Error codes"))["### codes"]
+            if r and r[0].isdigit()]
+    documented = {int(r[0]): r[1].strip("`") for r in rows}
+    actual = {v: k for k, v in vars(ErrorCode).items() if not k.startswith("_")}
+    assert documented == actual
+
+
+def test_dtype_table_matches_codec():
+    rows = parse_tables("### dtypes\n" + section(spec_text(), "Types"))["### dtypes"]
+    documented = {r[0].strip("`"): int(r[1]) for r in rows if len(r) >= 2 and r[1].isdigit()}
+    assert documented == DTYPES
+
+
+def test_worked_example_bytes_are_what_the_codec_produces():
+    text = section(spec_text(), "Worked example")
+    request = section_between(text, "### Request", "### Reply")
+    reply = text[text.index("### Reply"):]
+    assert parse_frames(request) == encode(WORKED_REQUEST)
+    assert parse_frames(reply) == encode(WORKED_REPLY)
+    assert decode(parse_frames(request)) == WORKED_REQUEST
+    # The byte-by-byte annotation tables cover each body exactly, in order.
+    for part, msg in ((request, WORKED_REQUEST), (reply, WORKED_REPLY)):
+        rows = [row for rows in parse_tables(part).values() for row in rows]
+        annotated = b"".join(bytes.fromhex(row[0].strip("`")) for row in rows
+                             if re.fullmatch(r"`[0-9a-f ]+`", row[0]))
+        assert annotated == encode(msg)[1]
+
+
+def section_between(text: str, start: str, end: str) -> str:
+    return text[text.index(start):text.index(end)]
+
+
+def write_messages_section() -> None:
+    text = spec_text()
+    old = "## Messages\n" + section(text, "Messages")
+    SPEC.write_text(text.replace(old, render_messages_section() + "\n"), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write_messages_section()
+    else:
+        print(render_messages_section())

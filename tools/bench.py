@@ -1,0 +1,69 @@
+"""The single entry point for every tailrace benchmark.
+
+    python tools/bench.py NAME [--quick] [--json]
+    python tools/bench.py --list
+
+Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
+tools/benches/, listed in BENCHES below (imported only when chosen, so one benchmark's heavy imports never
+slow another). It logs human-readable progress through `log` and returns its named figures, including
+the baseline it measured in the same run and the ratio (DESIGN.md, invariant 6). With --json the last
+line printed is that dict as one JSON object, with "bench" set to NAME. --quick finishes in under a
+minute on 2 CPU cores.
+
+Adding a benchmark: write tools/benches/NAME.py with run(quick, log), add one line to BENCHES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BENCHES: dict[str, str] = {
+    "protocol": "tools.benches.protocol:run",  # codec + transport: rollout messages/s, tensor GB/s vs raw zmq
+}
+"""NAME -> "module:function"."""
+
+
+def load(name: str) -> Callable[..., dict]:
+    if name not in BENCHES:
+        raise SystemExit(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHES))}")
+    module, function = BENCHES[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", help="benchmark to run: " + ", ".join(sorted(BENCHES)))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes; under a minute on 2 CPU cores")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    if args.list or not args.name:
+        print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))
+        return 0
+    run = load(args.name)
+    start = time.perf_counter()
+
+    def log(text: str) -> None:
+        print(f"[{args.name} {time.perf_counter() - start:6.1f}s] {text}", flush=True)
+
+    figures = {"bench": args.name, **run(quick=args.quick, log=log), "quick": args.quick,
+               "wall_s": round(time.perf_counter() - start, 2)}
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        log(f"{key:{width}s}  {value}")
+    if args.json:
+        print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
