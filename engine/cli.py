@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                          "Ctrl-C with a checkpoint. " + OVERRIDES_HELP)
     run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
     run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
-    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of progress bars")
+    run.add_argument("--no-progress", action="store_true", help="no progress output (bars on a terminal, else a line per step)")
 
     trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run",
                              description="Bind the protocol endpoints (trainer.bind), hand out work, "

@@ -151,11 +151,9 @@ class TrainerConfig:
 class GeneratorConfig:
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
-    decode_sleep_s: float = 0.0  # modelled compute time per decode step (benchmarks only)
 
     def __post_init__(self):
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")
-        _check(self.decode_sleep_s >= 0, "generator.decode_sleep_s", "must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -173,6 +171,15 @@ class LaunchConfig:
 
 
 @dataclass(kw_only=True)
+class ModelledConfig:
+    costs_file: str = ""  # benchmarks only: JSON of measured costs; generators and trainer sleep instead of computing
+
+    def __post_init__(self):
+        _check(not self.costs_file or Path(self.costs_file).is_file(), "modelled.costs_file",
+               f"{self.costs_file!r} does not exist")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -184,6 +191,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    modelled: ModelledConfig = field(default_factory=ModelledConfig)
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

@@ -147,19 +147,23 @@ class Launcher:
                 child.proc.wait()
 
 
-async def _progress(address: str, total_steps: int, done: asyncio.Event) -> None:
-    """Bars from the trainer's Stats: steps (with reward and staleness) and generated tokens/s."""
-    from tqdm import tqdm
-
+async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: bool) -> None:
+    """Progress from the trainer's Stats: a bar (steps, reward, staleness, generated tokens/s) on a
+    terminal, one line per step otherwise. Ends quietly when the trainer shuts down."""
     from protocol import messages as m
-    from protocol.transport import Client
+    from protocol.transport import Client, ConnectionLost
 
-    async with Client(address, role="tool", name=f"run-progress-{os.getpid()}") as client:
-        await client.connect(timeout_s=30.0)
-        await client.subscribe()
+    steps = None
+    if bars:
+        from tqdm import tqdm
+
         steps = tqdm(total=total_steps, desc="steps", unit="step", dynamic_ncols=True)
-        throughput: dict[str, float] = {}
-        try:
+    throughput: dict[str, float] = {}
+    last_step = 0
+    try:
+        async with Client(address, role="tool", name=f"run-progress-{os.getpid()}") as client:
+            await client.connect(timeout_s=30.0)
+            await client.subscribe()
             while not done.is_set():
                 try:
                     msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
@@ -167,21 +171,32 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event) -> None
                     continue
                 if isinstance(msg, m.Stats) and msg.role == "generator":
                     throughput[msg.name] = msg.counters.get("generator/throughput/wall_tokens_per_s", 0.0)
-                elif isinstance(msg, m.Stats) and msg.role == "trainer":
-                    c = msg.counters
-                    steps.update(int(c.get("trainer/step", 0)) - steps.n)
-                    steps.set_postfix(reward=f"{c.get('trainer/reward/last', float('nan')):.3f}",
-                                      staleness=int(c.get("trainer/controller/max_staleness_seen", 0)),
-                                      tok_s=f"{sum(throughput.values()):.0f}", version=msg.policy_version,
-                                      refresh=False)
-                    steps.refresh()
-        finally:
+                if not (isinstance(msg, m.Stats) and msg.role == "trainer"):
+                    continue
+                c = msg.counters
+                step = int(c.get("trainer/step", 0))
+                figures = dict(reward=f"{c.get('trainer/reward/last', float('nan')):.3f}",
+                               staleness=int(c.get("trainer/controller/max_staleness_seen", 0)),
+                               tok_s=f"{sum(throughput.values()):.0f}", version=msg.policy_version)
+                if steps is not None:
+                    steps.update(step - steps.n)
+                    steps.set_postfix(**figures)
+                elif step > last_step:
+                    print(f"step {step}/{total_steps} " + " ".join(f"{k}={v}" for k, v in figures.items()),
+                          flush=True)
+                last_step = step
+    except ConnectionLost:
+        pass  # the trainer finished or stopped; the supervisor reports how
+    finally:
+        if steps is not None:
             steps.close()
 
 
 async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
     done = asyncio.Event()
-    progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done)) if launcher.progress else None
+    progress = None
+    if launcher.progress:
+        progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done, bars=sys.stderr.isatty()))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: trainer.alive() and trainer.proc.send_signal(signal.SIGINT))
     try:

@@ -9,8 +9,10 @@ Every step feeds each running row exactly one token (a new row's first fed token
 token), so sampling, log-probs, versions and stop checks happen once per step, batched. Rows and
 their key/value columns live in kv.SlotKVCache; attention masks and positions are built here and
 passed to the model, so no Hugging Face mask or cache logic is involved.
-A later verify-k-tokens forward (speculative decoding) is _forward() with T = k + 1 new tokens per
-row; rejected columns are then set invalid in kv.valid_RC.
+Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit) replaces the
+decode step by speculative.SpeculativeDecoder.step: k drafted tokens verified by one _forward() with
+T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
+invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Test: pytest tests/engine/test_backend.py
 """
 
@@ -26,6 +28,7 @@ import torch
 
 from engine.generator.kv import SlotKVCache
 from engine.generator.sampling import SamplingBatch, request_generator, sample
+from engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
 from engine.models import check_supported
 from protocol.messages import SamplingParams, WorkItem
 
@@ -125,8 +128,11 @@ class TorchBackend:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        # Spare columns: a speculative step writes k + 1 columns even for a row one token from its end.
         self._kv = SlotKVCache(num_layers=model.config.num_hidden_layers, max_rows=max_batch_size,
-                               capacity=max_model_len, device=self.device)
+                               capacity=max_model_len + MAX_DRAFT_TOKENS, device=self.device)
+        self._spec: SpeculativeDecoder | None = None
+        self._depth_policy = None  # choose(num_running) -> k, update(num_running, k, num_tokens, seconds)
         self._waiting: deque[_Seq] = deque()
         self._seqs: list[_Seq] = []  # running rows, in row order
         self._sampling: SamplingBatch | None = None  # rebuilt when rows join or leave
@@ -152,7 +158,8 @@ class TorchBackend:
                              "backend supports sliding-window models only within their window")
 
     def _alloc_row_state(self) -> None:
-        rows, length, dev = self.max_batch_size, self.max_model_len, self.device
+        # Completion buffers have room for a speculative step's k + 1 tokens past any row's budget.
+        rows, length, dev = self.max_batch_size, self.max_model_len + MAX_DRAFT_TOKENS + 1, self.device
         self._pending_R = torch.zeros(rows, dtype=torch.long, device=dev)  # next token to feed
         self._pos_R = torch.zeros(rows, dtype=torch.long, device=dev)      # its position
         self._num_gen_R = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -177,6 +184,46 @@ class TorchBackend:
     def capacity(self) -> int:
         """Requests this backend can take now without queueing beyond one batch."""
         return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def enable_speculation(self, drafter, depth_policy, *, max_traces: int | None = None) -> None:
+        """Decode speculatively with `drafter` (a drafter.Drafter of this policy), at the depth k that
+        depth_policy.choose(num_running) picks each step (0 = a plain step); depth_policy.update gets
+        each step's emitted tokens and seconds. Finished rollouts leave traces for the spot trainer
+        (at most max_traces kept, default 4 x max_batch_size). Call before any request runs."""
+        if self._seqs or self._kv.end:
+            raise ValueError("enable_speculation must be called before the backend runs any request")
+        if self._spec is not None:
+            raise ValueError("speculation is already enabled; update the drafter with update_drafter()")
+        self._spec = SpeculativeDecoder(self, drafter, max_traces or 4 * self.max_batch_size)
+        self._depth_policy = depth_policy
+
+    @property
+    def drafter(self):
+        return None if self._spec is None else self._spec.drafter
+
+    @property
+    def spec_stats(self):
+        """speculative.SpecStats, or None without speculation."""
+        return None if self._spec is None else self._spec.stats
+
+    @torch.no_grad()
+    def update_drafter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new drafter weights between steps (validated first, as in Drafter.load_state)."""
+        if self._spec is None:
+            raise ValueError("update_drafter: speculation is not enabled")
+        self._spec.drafter.load_state(state_dict, version)
+        self._spec.drafter_changed()
+
+    def take_traces(self) -> list:
+        """The speculative.Trace of every rollout finished since the last call (oldest dropped first
+        beyond max_traces); empty without speculation."""
+        if self._spec is None:
+            return []
+        out = list(self._spec.traces)
+        self._spec.traces.clear()
+        return out
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -219,10 +266,18 @@ class TorchBackend:
         if not self._seqs:
             return []
         start_s = time.monotonic()
-        tokens_B, logprobs_B = self._decode_step()
-        finished = self._record_and_collect(tokens_B, logprobs_B)
+        num_rows, num_before = len(self._seqs), self.stats.num_generated_tokens
+        k = self._choose_depth(num_rows)
+        if k == 0:
+            tokens_B, logprobs_B = self._decode_step()
+            finished = self._record_and_collect(tokens_B, logprobs_B)
+        else:
+            finished = self._speculative_step(k)
         self.stats.num_steps += 1
-        self.stats.decode_s += time.monotonic() - start_s
+        step_s = time.monotonic() - start_s
+        self.stats.decode_s += step_s
+        if self._depth_policy is not None:
+            self._depth_policy.update(num_rows, k, self.stats.num_generated_tokens - num_before, step_s)
         return finished
 
     def drain(self) -> list[Finished]:
@@ -270,9 +325,12 @@ class TorchBackend:
         width = max(lengths)
         self._kv.reserve_left(first, width)
         self._kv.place_rows(first, lengths)
+        ids_bT = hidden_bTH = None
         if width > 0:
-            self._prefill(first, prompts, lengths, width)
+            ids_bT, hidden_bTH = self._prefill(first, prompts, lengths, width)
         self._init_rows(first, new)
+        if self._spec is not None:
+            self._spec.on_admit(first, lengths, ids_bT, hidden_bTH)
         self._seqs.extend(new)
         self._num_unstamped = num_new  # rows at the end that get their first token this step
         self._sampling = None
@@ -294,8 +352,9 @@ class TorchBackend:
         ids = sorted(set(sampling.stop_token_ids[:_MAX_STOP_IDS]) | set(self.eos_token_ids))
         return ids + [_NO_TOKEN] * (self._stop_RS.shape[1] - len(ids))
 
-    def _prefill(self, first: int, prompts: list[list[int]], lengths: list[int], width: int) -> None:
-        """Cache prompt[:-1] of the new rows, left-padded to `width`, ending at column kv.end."""
+    def _prefill(self, first: int, prompts: list[list[int]], lengths: list[int], width: int):
+        """Cache prompt[:-1] of the new rows, left-padded to `width`, ending at column kv.end.
+        Returns (ids [b, width], final hidden states [b, width, H])."""
         ids_bT = torch.tensor([[0] * (width - n) + p[:-1] for p, n in zip(prompts, lengths, strict=True)],
                               dtype=torch.long, device=self.device)
         pad_b = torch.tensor([width - n for n in lengths], device=self.device)
@@ -303,7 +362,8 @@ class TorchBackend:
         rows = slice(first, first + len(prompts))
         start = self._kv.end - width
         self._kv.set_window(rows, start, start)
-        self._forward(ids_bT, positions_bT, self._kv.attention_mask(rows, start, width, start))
+        hidden_bTH = self._forward(ids_bT, positions_bT, self._kv.attention_mask(rows, start, width, start))
+        return ids_bT, hidden_bTH
 
     # ------------------------------------------------------------------ decoding
 
@@ -326,8 +386,12 @@ class TorchBackend:
         kv.valid_RC[rows, col] = True
         kv.set_window(rows, col, kv.lo)
         mask = kv.attention_mask(rows, col, 1, kv.lo)
+        if self._spec is not None:
+            self._spec.before_plain_forward(num_rows, col)
         hidden_BTH = self._forward(self._pending_R[rows, None], self._pos_R[rows, None], mask)
         kv.end += 1
+        if self._spec is not None:
+            self._spec.after_plain_forward(num_rows, hidden_BTH[:, -1])
         logits_BV = self._lm_head(hidden_BTH[:, -1])
         if self._sampling is None:
             self._sampling = SamplingBatch.build([s.request.sampling for s in self._seqs],
@@ -345,11 +409,53 @@ class TorchBackend:
         self._pos_R[rows] += 1
         self._pending_R[rows] = tokens_B
         self.stats.num_generated_tokens += num_rows
+        self._stamp_first_tokens()
+        hit_B = (self._stop_RS[rows] == tokens_B[:, None]).any(-1)
+        done_B = hit_B | (num_gen_B >= self._limit_R[rows])
+        if not bool(done_B.any()):
+            return []
+        done_rows = done_B.nonzero().flatten().tolist()
+        reasons = ["stop" if hit else "length" for hit in hit_B[done_rows].tolist()]
+        return self._finish_rows(done_rows, reasons)
+
+    def _stamp_first_tokens(self) -> None:
         now = time.monotonic()
-        for seq in self._seqs[num_rows - self._num_unstamped:]:
+        for seq in self._seqs[len(self._seqs) - self._num_unstamped:]:
             seq.first_token_s = now
         self._num_unstamped = 0
-        hit_B = (self._stop_RS[rows] == tokens_B[:, None]).any(-1)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _choose_depth(self, num_rows: int) -> int:
+        if self._spec is None:
+            return 0
+        k = self._depth_policy.choose(num_rows)
+        return max(0, min(k, self._spec.max_useful_k(num_rows))) if k > 0 else 0
+
+    def _speculative_step(self, k: int) -> list[Finished]:
+        """One speculative step (speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
+        at their budget."""
+        num_rows = len(self._seqs)
+        rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]
+        tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH = self._spec.step(k)
+        stop_BN = (self._stop_RS[rows, None, :] == tokens_BN[:, :, None]).any(-1)
+        num_new = k + 1
+        first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
+        num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
+        num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
+        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B)
+        # Entries past num_emit are written too (the buffers have room) and overwritten later.
+        index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
+        self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
+        self._out_logprobs_RL[rows].scatter_(1, index_BN, logprobs_BN)
+        self._out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
+        num_gen_B += num_emit_B
+        self._pos_R[rows] += num_emit_B
+        last_B = tokens_BN[arange_B, num_emit_B - 1]
+        self._pending_R[rows] = last_B
+        self.stats.num_generated_tokens += int(num_emit_B.sum())
+        self._stamp_first_tokens()
+        hit_B = (self._stop_RS[rows] == last_B[:, None]).any(-1)
         done_B = hit_B | (num_gen_B >= self._limit_R[rows])
         if not bool(done_B.any()):
             return []
@@ -367,6 +473,9 @@ class TorchBackend:
             completion = (self._out_tokens_RL[row, :length].cpu(), self._out_logprobs_RL[row, :length].cpu(),
                           self._out_versions_RL[row, :length].cpu())
             out.append(self._finished(self._seqs[row], completion, reason))
+            if self._spec is not None and reason != "cancelled":
+                prompt = torch.tensor(self._seqs[row].request.prompt_ids, dtype=torch.long, device=self.device)
+                self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])))
         self._remove_rows(set(rows))
         return out
 
@@ -375,8 +484,9 @@ class TorchBackend:
         self._kv.keep_rows(keep)
         if keep != list(range(len(keep))):
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            spec_states = () if self._spec is None else self._spec.row_states()
             for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
-                          self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL):
+                          self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
                 state[: len(keep)] = state[index]
         self._seqs = [self._seqs[i] for i in keep]
         self._sampling = None

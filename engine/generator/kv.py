@@ -13,7 +13,12 @@ a real token of that row; everything else is masked, so the stale contents of a 
 (buffers start at zero, so they are always finite and a zero attention weight stays exactly zero).
 Because all rows end at the same column, one decode step writes one column for the whole batch, and a
 new sequence is prefilled into its own row without touching the running ones. Holes inside a row are
-allowed (speculative decoding can invalidate rejected columns); positions count valid columns only.
+allowed (speculative decoding invalidates rejected columns; compact() squeezes them out when room runs
+short); positions count valid columns only.
+
+Speculative decoding adds one more layer (add_layer(): the drafter's keys/values, written by the drafter
+through the same update()) and per-column state buffers [max_rows, capacity, D] (add_column_state(): the
+token id and the policy's hidden state of each column); every layout change moves them with the keys.
 
 The object is handed to a Hugging Face model as its `cache`: the model calls update() once per layer.
 Test: pytest tests/engine/test_backend.py
@@ -35,6 +40,7 @@ class SlotKVCache:
         # Allocated at the first update, from the key/value shapes the model actually produces.
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.column_states: list[torch.Tensor] = []  # [max_rows, capacity, D] each, moved with the keys
         self.valid_RC = torch.zeros(max_rows, capacity, dtype=torch.bool, device=self.device)
         self.lo = 0   # no row holds a valid column left of lo
         self.end = 0  # next column to write, shared by all rows
@@ -60,6 +66,22 @@ class SlotKVCache:
         keys[self._rows, :, self._write:stop] = key_states
         values[self._rows, :, self._write:stop] = value_states
         return keys[self._rows, :, self._vis_lo:stop], values[self._rows, :, self._vis_lo:stop]
+
+    def add_layer(self) -> int:
+        """Append one more key/value layer (allocated at its first update); returns its layer index."""
+        self.keys.append(None)
+        self.values.append(None)
+        self.num_layers += 1
+        return self.num_layers - 1
+
+    def add_column_state(self, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed [max_rows, capacity, dim] buffer that moves with the columns it describes."""
+        buf = torch.zeros(self.max_rows, self.capacity, dim, dtype=dtype, device=self.device)
+        self.column_states.append(buf)
+        return buf
+
+    def _key_buffers(self) -> list[torch.Tensor]:
+        return [buf for buf in (*self.keys, *self.values) if buf is not None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._write - self._vis_lo
@@ -96,6 +118,8 @@ class SlotKVCache:
         if self.end + num_cols <= self.capacity:
             return
         self.trim_lo(num_rows)
+        if self.end - self.lo + num_cols > self.capacity:
+            self.compact(num_rows)
         span = self.end - self.lo
         assert span + num_cols <= self.capacity, "a sequence outgrew max_model_len"
         self._shift(num_rows, -self.lo)
@@ -114,9 +138,10 @@ class SlotKVCache:
         if delta == 0:
             return
         lo, end = self.lo, self.end
-        for buf in (*self.keys, *self.values):
-            if buf is not None:
-                buf[:num_rows, :, lo + delta:end + delta] = buf[:num_rows, :, lo:end].clone()
+        for buf in self._key_buffers():
+            buf[:num_rows, :, lo + delta:end + delta] = buf[:num_rows, :, lo:end].clone()
+        for buf in self.column_states:
+            buf[:num_rows, lo + delta:end + delta] = buf[:num_rows, lo:end].clone()
         moved = self.valid_RC[:num_rows, lo:end].clone()
         self.valid_RC[:num_rows] = False
         self.valid_RC[:num_rows, lo + delta:end + delta] = moved
@@ -139,10 +164,37 @@ class SlotKVCache:
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         lo, end, num = self.lo, self.end, len(keep)
-        for buf in (*self.keys, *self.values):
-            if buf is not None:
-                buf[:num, :, lo:end] = buf[index, :, lo:end]
+        for buf in self._key_buffers():
+            buf[:num, :, lo:end] = buf[index, :, lo:end]
+        for buf in self.column_states:
+            buf[:num, lo:end] = buf[index, lo:end]
         self.valid_RC[:num] = self.valid_RC[index]
+
+    def compact(self, num_rows: int) -> None:
+        """Squeeze the holes out of rows 0..num_rows-1: each row's valid columns keep their order and
+        move right to end at end - 1. Columns only move right, so a span of columns counted back from
+        end still holds (at least) the same tokens afterwards. Costs one gather of the live span."""
+        lo, end = self.lo, self.end
+        valid_bW = self.valid_RC[:num_rows, lo:end]
+        width = end - lo
+        if num_rows == 0 or width == 0:
+            return
+        count_b = valid_bW.sum(-1)
+        # Valid columns first, in order (stable sort), then the holes.
+        order_bW = torch.sort((~valid_bW).to(torch.int8), dim=-1, stable=True).indices
+        dest_W = torch.arange(width, device=self.device)
+        first_b = width - count_b  # the first destination column that receives a valid one
+        rank_bW = (dest_W[None, :] - first_b[:, None]).clamp_min(0)
+        src_bW = order_bW.gather(-1, rank_bW)
+        for buf in self._key_buffers():
+            heads, dim = buf.shape[1], buf.shape[3]
+            index = src_bW[:, None, :, None].expand(num_rows, heads, width, dim)
+            buf[:num_rows, :, lo:end] = buf[:num_rows, :, lo:end].gather(2, index)
+        for buf in self.column_states:
+            index = src_bW[:, :, None].expand(num_rows, width, buf.shape[2])
+            buf[:num_rows, lo:end] = buf[:num_rows, lo:end].gather(1, index)
+        self.valid_RC[:num_rows, lo:end] = dest_W[None, :] >= first_b[:, None]
+        self.trim_lo(num_rows)
 
     def place_rows(self, first_row: int, lengths: list[int]) -> None:
         """Mark rows first_row.. as new sequences whose cached tokens (lengths[i] each) end at end."""

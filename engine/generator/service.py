@@ -88,6 +88,10 @@ class GeneratorService:
         max_len = model.config.max_position_embeddings
         self.backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
                                     eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device)
+        if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
+            from engine.modelled import ModelledBackend, load_costs
+
+            self.backend = ModelledBackend(self.backend, load_costs(cfg.modelled.costs_file))
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
@@ -129,7 +133,6 @@ class GeneratorService:
         s.policy_version = b.policy_version
 
     async def main_loop(self, recv: asyncio.Task) -> None:
-        sleep_s = self.cfg.generator.decode_sleep_s
         while True:
             if recv.done():
                 recv.result()  # surface a dead connection or a bug in the recv loop
@@ -155,8 +158,6 @@ class GeneratorService:
             elif action is Action.DECODE:
                 self.status = "generating"
                 finished = await asyncio.to_thread(self.backend.step)
-                if sleep_s:
-                    await asyncio.sleep(sleep_s)
                 for done in finished:
                     await self.send_rollout(done)
             else:

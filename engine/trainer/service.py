@@ -75,6 +75,10 @@ class TrainerService:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = model.config.max_position_embeddings
         self.learner = Learner(model, learner_config(cfg), ref_model=ref)
+        if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of training
+            from engine.modelled import load_costs, patch_learner
+
+            patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
         state: dict[str, Any] = {}
         if resume:
             state = checkpoint.load(checkpoint.latest(self.run_dir / "checkpoint"), self.learner)
@@ -105,6 +109,7 @@ class TrainerService:
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
         self.generator_versions: dict[str, int] = {}  # last policy version each generator reported
+        self.last_generator_stats: dict[str, m.Stats] = {}  # kept after the generator leaves
         self.changed = asyncio.Event()
         self.stop_requested = False
         self.stop_reason = ""
@@ -112,6 +117,7 @@ class TrainerService:
         self.rewards: RewardDispatcher | None = None
         self.scoring: set[asyncio.Task] = set()
         self.started_s = time.monotonic()
+        self.train_busy_s = 0.0
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -192,6 +198,7 @@ class TrainerService:
         self.state = "training"
         started = time.monotonic()
         metrics = await asyncio.to_thread(self.learner.step, groups)
+        self.train_busy_s += time.monotonic() - started
         self.controller.on_trained(batch, version)
         rewards = [s.reward for g in groups for s in g.samples]
         self.step_rewards.append(statistics.fmean(rewards))
@@ -363,6 +370,7 @@ class TrainerService:
         self.peer_stats[peer.name] = msg
         if msg.role == "generator":
             self.generator_versions[peer.name] = msg.policy_version
+            self.last_generator_stats[peer.name] = msg
         await self.server.publish(msg)
 
     async def on_event(self, peer: Any, msg: m.Event) -> None:
@@ -438,6 +446,10 @@ class TrainerService:
             "prompts_skipped_too_long": self.source.skipped_too_long,
             "scored_by": dict(self.rewards.num_scored) if self.rewards else {},
             "generator_policy_versions": dict(self.generator_versions),
+            "trainer_busy_s": self.train_busy_s,
+            "generator_time_s": {name: {"busy_s": st.counters.get("generator/time/busy_s", 0.0),
+                                        "wall_s": st.counters.get("generator/time/wall_s", 0.0)}
+                                 for name, st in self.last_generator_stats.items()},
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
         }

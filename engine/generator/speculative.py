@@ -1,0 +1,310 @@
+"""Lossless speculative decoding inside the torch backend's continuous batch.
+
+One speculative step with depth k, for every running row at once:
+
+    catch up  the drafter runs over the columns whose drafter keys/values are stale (the previous step's
+              accepted tokens, now with the policy's true hidden states; prompts of new rows; tokens
+              decoded plainly) up to the pending token        -> q_1, draw d_1 ~ q_1
+    draft     k - 1 more one-token drafter forwards, each fed its own predicted hidden state
+                                                              -> q_2..q_k, d_2..d_k
+    verify    ONE policy forward over [pending, d_1..d_k] (k + 1 columns) -> p_1..p_{k+1}
+    accept    d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)) while all before it were kept; at
+              the first rejection j one token is drawn from normalise(max(0, p_j - q_j)); if all k are
+              kept, one more from p_{k+1}. Each emitted token is then exactly distributed as the policy's
+              (Leviathan et al. 2023). p and q are both sampling.processed_logprobs (temperature,
+              top-k, top-p), so truncation is identical; at temperature 0 both are one-hot and the rule
+              reduces to exact greedy.
+    commit    rows emit their own number of tokens (stop tokens and budgets cut it); columns of rejected
+              tokens are marked invalid, so they leave the cache (kv.compact() squeezes them out when
+              room runs short). Behaviour log-probs are the policy's processed log-probs of the emitted
+              tokens; every token is stamped with the current policy version.
+
+Randomness: each row draws 2k + 1 uniforms per step from its own generator (k for drafting, k for the
+acceptance tests, one for the final token), however many tokens it accepts, so a seeded sequence decodes
+the same alone or in any batch for the same k. This module is a friend of backend.TorchBackend: it reads
+and writes the backend's row state.
+Test: pytest tests/engine/test_speculative.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.generator.drafter import Drafter
+from engine.generator.sampling import SamplingBatch, processed_logprobs
+
+MAX_DRAFT_TOKENS = 8
+"""Largest speculation depth k; the backend keeps this many spare cache columns for it."""
+
+
+@dataclass
+class Trace:
+    """What the spot trainer learns from, one finished rollout. hidden[t] is the policy's last hidden
+    state after token t, the one that predicted tokens[t + 1]; the drafter's input at token t + 1 is
+    (hidden[t], tokens[t + 1]) and its target there is hidden[t + 1]."""
+
+    tokens: torch.Tensor  # int64 [n]
+    hidden: torch.Tensor  # [n - 1, H], the policy's dtype, CPU
+    policy_version: int
+
+
+@dataclass
+class SpecStats:
+    """Counters since construction. accept_len_hist[a]: row-steps that accepted a drafted tokens."""
+
+    num_spec_steps: int = 0
+    num_plain_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0
+    accept_len_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT_TOKENS + 1))
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Drafted tokens accepted per row and speculative step."""
+        row_steps = sum(self.accept_len_hist)
+        return self.num_accepted / row_steps if row_steps else 0.0
+
+
+def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, drafts_BK: torch.Tensor,
+                  u_accept_BK: torch.Tensor, u_final_B: torch.Tensor):
+    """The lossless acceptance rule. p: the policy's processed log-probs at the k + 1 verified positions
+    [B, k+1, V]; q: the drafter's at the k drafted ones [B, k, V]; drafts were drawn from q.
+    Returns (num_accepted [B], tokens [B, k+1], policy log-probs of those tokens [B, k+1]): row b emits
+    tokens[b, :num_accepted[b] + 1]; later entries are meaningless."""
+    batch, num_drafts = drafts_BK.shape
+    p_draft_BK = p_logprobs_BNV[:, :num_drafts].gather(-1, drafts_BK[..., None]).squeeze(-1).exp()
+    q_draft_BK = q_logprobs_BKV.gather(-1, drafts_BK[..., None]).squeeze(-1).exp()
+    # u < p/q without dividing; q(d) > 0 because d was drawn from q.
+    kept_BK = u_accept_BK * q_draft_BK < p_draft_BK
+    num_accepted_B = kept_BK.to(torch.int64).cumprod(-1).sum(-1)
+    rows_B = torch.arange(batch, device=drafts_BK.device)
+    p_at_BV = p_logprobs_BNV[rows_B, num_accepted_B].exp()
+    # q is 0 after the last draft, so "all accepted" draws from p_{k+1} itself.
+    q_pad_BNV = torch.cat((q_logprobs_BKV.exp(), torch.zeros_like(q_logprobs_BKV[:, :1])), dim=1)
+    residual_BV = (p_at_BV - q_pad_BNV[rows_B, num_accepted_B]).clamp_min(0.0)
+    # A rejection has positive residual mass in exact arithmetic; rounding alone can empty it.
+    empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
+    final_B = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B)
+    tokens_BN = torch.cat((drafts_BK, torch.zeros_like(drafts_BK[:, :1])), dim=1)
+    tokens_BN[rows_B, num_accepted_B] = final_B
+    logprobs_BN = p_logprobs_BNV.gather(-1, tokens_BN[..., None]).squeeze(-1)
+    return num_accepted_B, tokens_BN, logprobs_BN
+
+
+def sample_probs(weights_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw [B] from non-negative, unnormalised weights; zero-weight tokens never come out."""
+    cdf_BV = torch.cumsum(weights_BV, dim=-1)
+    target_B1 = uniforms_B[:, None] * cdf_BV[:, -1:]
+    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
+    return torch.minimum(tokens_B, cdf_BV.argmax(-1))
+
+
+def draw_uniforms_many(generators, num: int, device) -> torch.Tensor:
+    """num U[0, 1) per row [B, num], row i from generators[i], drawn on the CPU."""
+    u_BU = torch.empty(len(generators), num, dtype=torch.float32)
+    for i, gen in enumerate(generators):
+        u_BU[i].uniform_(generator=gen)
+    return u_BU.to(device, non_blocking=True)
+
+
+def repeat_batch(batch: SamplingBatch, num: int) -> SamplingBatch:
+    """The sampling settings of each row repeated num times (row-major): for [B * num, V] logits."""
+    return dataclasses.replace(
+        batch, temperature_B=batch.temperature_B.repeat_interleave(num),
+        top_k_B=batch.top_k_B.repeat_interleave(num), top_p_B=batch.top_p_B.repeat_interleave(num),
+        truncates_B=batch.truncates_B.repeat_interleave(num),
+        generators=tuple(g for g in batch.generators for _ in range(num)))
+
+
+class SpeculativeDecoder:
+    """The drafter's share of the backend: its cache layer, per-column token ids and hidden states,
+    per-row pending features, and the speculative step. Created by TorchBackend.enable_speculation."""
+
+    def __init__(self, backend, drafter: Drafter, max_traces: int):
+        self.backend = backend
+        self.drafter = drafter.eval()
+        kv = backend._kv
+        self.layer = kv.add_layer()
+        hidden, dtype = drafter.config.hidden_size, backend._lm_head.weight.dtype
+        self.ids_RC = kv.add_column_state(1, torch.long)[..., 0]  # a view: layout changes move it in place
+        self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
+        self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
+        self.stale_back = 0  # columns end - stale_back .. end - 1 lack true-feature drafter keys/values
+        self.stats = SpecStats()
+        self.traces: deque[Trace] = deque(maxlen=max_traces)
+        self._batches: dict[int, SamplingBatch] = {}
+        self._batch_of: SamplingBatch | None = None
+
+    # ------------------------------------------------------------------ bookkeeping hooks (plain paths)
+
+    def on_admit(self, first: int, lengths: list[int], ids_bT: torch.Tensor | None,
+                 hidden_bTH: torch.Tensor | None) -> None:
+        """New rows first.. were prefilled with ids_bT (left-padded, ending at column end)."""
+        kv, rows = self.backend._kv, slice(first, first + len(lengths))
+        self.pending_feat_RH[rows] = 0.0
+        if ids_bT is None:
+            return
+        width = ids_bT.shape[1]
+        start = kv.end - width
+        self.ids_RC[rows, start:kv.end] = ids_bT
+        shifted_bTH = torch.cat((torch.zeros_like(hidden_bTH[:, :1]), hidden_bTH[:, :-1]), dim=1)
+        # The first token of each row has no predecessor: its feature is zero, not a padding column's.
+        first_col_b = torch.tensor([width - n for n in lengths], device=kv.device)
+        is_first_bT = torch.arange(width, device=kv.device)[None, :] == first_col_b[:, None]
+        self.feats_RCH[rows, start:kv.end] = shifted_bTH.masked_fill(is_first_bT[..., None], 0.0)
+        has_prefill_b1 = torch.tensor(lengths, device=kv.device)[:, None] > 0
+        self.pending_feat_RH[rows] = torch.where(has_prefill_b1, hidden_bTH[:, -1], 0.0)
+        self.stale_back = max(self.stale_back, width)
+
+    def before_plain_forward(self, num_rows: int, col: int) -> None:
+        self.ids_RC[:num_rows, col] = self.backend._pending_R[:num_rows]
+        self.feats_RCH[:num_rows, col] = self.pending_feat_RH[:num_rows]
+
+    def after_plain_forward(self, num_rows: int, hidden_BH: torch.Tensor) -> None:
+        self.pending_feat_RH[:num_rows] = hidden_BH
+        self.stale_back += 1
+        self.stats.num_plain_steps += 1
+
+    def row_states(self) -> tuple[torch.Tensor, ...]:
+        """Per-row state the backend compacts with its own when rows leave."""
+        return (self.pending_feat_RH,)
+
+    def drafter_changed(self) -> None:
+        """New drafter weights: every cached drafter key/value is recomputed at the next step."""
+        kv = self.backend._kv
+        self.stale_back = kv.end - kv.lo
+
+    def capture(self, row: int, tokens: torch.Tensor) -> None:
+        """Keep the trace of a finished row (prompt + completion `tokens`) for the spot trainer."""
+        kv = self.backend._kv
+        cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
+        hidden = torch.cat((self.feats_RCH[row, cols[1:]], self.pending_feat_RH[row, None]))
+        assert hidden.shape[0] == tokens.numel() - 1, "trace: hidden states and tokens out of step"
+        self.traces.append(Trace(tokens.clone(), hidden.cpu(), self.backend.policy_version))
+
+    # ------------------------------------------------------------------ the speculative step
+
+    def max_useful_k(self, num_rows: int) -> int:
+        """Drafting more tokens than any row may still emit, minus its one free token, is wasted."""
+        b = self.backend
+        return int((b._limit_R[:num_rows] - b._num_gen_R[:num_rows]).max()) - 1
+
+    def step(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculative step of depth k for every running row. Returns (tokens [B, k+1], policy
+        log-probs [B, k+1], accepted drafts [B], hidden states [B, k+1, H]); nothing is committed."""
+        assert 1 <= k <= MAX_DRAFT_TOKENS
+        b, kv = self.backend, self.backend._kv
+        num_rows = len(b._seqs)
+        kv.make_room(num_rows, k + 1)
+        batch = self._sampling(num_rows)
+        uniforms_BU = (torch.zeros(num_rows, 2 * k + 1, device=b.device) if batch.all_greedy
+                       else draw_uniforms_many(batch.generators, 2 * k + 1, b.device))
+        drafts_BK, q_BKV = self._draft(num_rows, k, batch, uniforms_BU[:, :k])
+        hidden_BNH, p_BNV = self._verify(num_rows, k, drafts_BK)
+        num_accepted_B, tokens_BN, logprobs_BN = accept_drafts(
+            p_BNV, q_BKV, drafts_BK, uniforms_BU[:, k:2 * k], uniforms_BU[:, 2 * k])
+        return tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH
+
+    def _sampling(self, num_rows: int) -> SamplingBatch:
+        b = self.backend
+        if b._sampling is None:
+            b._sampling = SamplingBatch.build([s.request.sampling for s in b._seqs],
+                                              [s.generator for s in b._seqs], b.device)
+        if self._batch_of is not b._sampling:
+            self._batch_of, self._batches = b._sampling, {}
+        return b._sampling
+
+    def _repeated(self, num: int) -> SamplingBatch:
+        if num not in self._batches:
+            self._batches[num] = repeat_batch(self._batch_of, num)
+        return self._batches[num]
+
+    def _draft(self, num_rows: int, k: int, batch: SamplingBatch, u_BK: torch.Tensor):
+        """Catch the drafter up to the pending token, then draft k tokens. Returns (drafts [B, k],
+        the drafter's processed log-probs [B, k, V])."""
+        b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
+        end = kv.end
+        kv.valid_RC[rows, end] = True
+        self.ids_RC[rows, end] = b._pending_R[rows]
+        self.feats_RCH[rows, end] = self.pending_feat_RH[rows]
+        start = max(end - self.stale_back, kv.lo)
+        valid_bW = kv.valid_RC[rows, start:end + 1]
+        # A column's position counts the valid columns before it; the pending token's is pos_R.
+        after_bW = valid_bW.flip(-1).cumsum(-1).flip(-1) - 1
+        positions_bW = (b._pos_R[rows, None] - after_bW).clamp_min(0)
+        kv.set_window(rows, start, kv.lo)
+        mask = kv.attention_mask(rows, start, end + 1 - start, kv.lo)
+        hidden_BH = self.drafter(self.ids_RC[rows, start:end + 1], self.feats_RCH[rows, start:end + 1],
+                                 positions_bW, mask, cache=kv, layer_idx=self.layer)[:, -1]
+        self.stale_back = 0
+        drafts, q_logprobs = [], []
+        for j in range(k):
+            if j > 0:
+                col = end + j
+                kv.valid_RC[rows, col] = True
+                kv.set_window(rows, col, kv.lo)
+                mask = kv.attention_mask(rows, col, 1, kv.lo)
+                hidden_BH = self.drafter(drafts[-1][:, None], hidden_BH[:, None], (b._pos_R[rows] + j)[:, None],
+                                         mask, cache=kv, layer_idx=self.layer)[:, -1]
+            q_BV = processed_logprobs(self.drafter.logits(hidden_BH), batch)
+            drafts.append(sample_probs(q_BV.exp(), u_BK[:, j]))
+            q_logprobs.append(q_BV)
+        return torch.stack(drafts, dim=1), torch.stack(q_logprobs, dim=1)
+
+    def _verify(self, num_rows: int, k: int, drafts_BK: torch.Tensor):
+        """One policy forward over [pending, drafts]: hidden [B, k+1, H] and processed log-probs."""
+        b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
+        end = kv.end
+        kv.valid_RC[rows, end:end + k + 1] = True
+        kv.set_window(rows, end, kv.lo)
+        mask = kv.attention_mask(rows, end, k + 1, kv.lo)
+        ids_BN = torch.cat((b._pending_R[rows, None], drafts_BK), dim=1)
+        positions_BN = b._pos_R[rows, None] + torch.arange(k + 1, device=b.device)
+        hidden_BNH = b._forward(ids_BN, positions_BN, mask)
+        logits_MV = b._lm_head(hidden_BNH).flatten(0, 1)
+        p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
+        return hidden_BNH, p_BNV
+
+    def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, hidden_BNH: torch.Tensor,
+               num_accepted_B: torch.Tensor) -> None:
+        """Keep the fed columns of emitted tokens, drop the rest, advance the pending token."""
+        b, kv = self.backend, self.backend._kv
+        num_rows = tokens_BN.shape[0]
+        rows, end = slice(0, num_rows), kv.end
+        arange_N = torch.arange(k + 1, device=b.device)
+        # The pending token and the first num_emit - 1 drafts stay; the last emitted token is pending.
+        kv.valid_RC[rows, end:end + k + 1] = arange_N[None, :] < num_emit_B[:, None]
+        self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]
+        self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
+        last_B = num_emit_B - 1
+        self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
+        kv.end = end + k + 1
+        self.stale_back = k
+        s = self.stats
+        s.num_spec_steps += 1
+        s.num_drafted += k * num_rows
+        s.num_accepted += int(num_accepted_B.sum())
+        s.num_emitted += int(num_emit_B.sum())
+        for a, count in enumerate(torch.bincount(num_accepted_B, minlength=k + 1).tolist()):
+            s.accept_len_hist[a] += count
+
+
+class FixedDepth:
+    """A speculation policy that always uses depth k (tests, benchmarks); the bandit is the adaptive one."""
+
+    def __init__(self, k: int):
+        if not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculation depth k must lie in [0, {MAX_DRAFT_TOKENS}], got {k}")
+        self.k = k
+
+    def choose(self, num_running: int) -> int:
+        return self.k
+
+    def update(self, num_running: int, k: int, num_tokens: int, seconds: float) -> None:
+        pass
+

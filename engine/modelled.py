@@ -1,0 +1,305 @@
+"""Modelled compute, for benchmarks: the generator and the trainer sleep for measured costs instead of
+running the model, so a run times the scheduler alone (queues, staleness gate, weights traffic, wire).
+
+    ModelledBackend  the TorchBackend interface; step() sleeps one decode step drawn from the measured
+                     step times of the running batch size (plus prefill of admitted rows) and emits one
+                     token per row; each sample's length is drawn from the measured completions of
+                     prompts of the nearest length, seeded by (group, sample), so every run of one
+                     workload sees the same lengths
+    patch_learner    learner.step sleeps a + b * tokens (fitted to measured training steps), advances
+                     step_count and policy_version, and leaves the weights alone
+
+Enabled by `modelled.costs_file` (engine/config.py); the costs are measured on the same machine by the
+benchmark that uses them (tools/benches/pipeline.py). Test: pytest tests/engine/test_modelled.py
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.generator.backend import BackendStats, Finished, Request, TorchBackend
+from engine.samples import flatten_samples
+
+COSTS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """seconds = intercept_s + per_token_s * tokens, never negative."""
+
+    intercept_s: float
+    per_token_s: float
+
+    def __call__(self, tokens: int) -> float:
+        return max(0.0, self.intercept_s + self.per_token_s * tokens)
+
+    @classmethod
+    def fit(cls, points: Iterable[tuple[float, float]]) -> LinearCost:
+        """Least squares over (tokens, seconds); a single point (or one token count) gives a pure rate."""
+        xs, ys = zip(*points, strict=True)
+        if len(set(xs)) < 2:
+            return cls(0.0, statistics.fmean(ys) / max(statistics.fmean(xs), 1.0))
+        slope, intercept = statistics.linear_regression(xs, ys)
+        if intercept < 0:  # noise: keep the model through the origin rather than below it
+            return cls(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs))
+        return cls(intercept, max(0.0, slope))
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One measured sample: prompt and completion length in tokens, and how it ended."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs of one model on one machine (see tools/benches/pipeline.py for how)."""
+
+    decode_step_s: dict[int, list[float]]  # running batch size -> seconds of single decode steps
+    prefill: LinearCost  # over padded prompt tokens of the rows admitted in one step
+    train: LinearCost  # over logical tokens (prompt + completion) of a training batch
+    completions: list[Completion]
+    seed: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
+
+    def __post_init__(self):
+        if not self.decode_step_s or any(not v for v in self.decode_step_s.values()):
+            raise ValueError("costs: decode_step_s needs at least one batch size with measurements")
+        if not self.completions:
+            raise ValueError("costs: completions is empty")
+        by_prompt: dict[int, list[Completion]] = {}
+        for c in self.completions:
+            if c.completion_tokens < 1 or c.finish_reason not in ("stop", "length"):
+                raise ValueError(f"costs: bad completion {c}")
+            by_prompt.setdefault(c.prompt_tokens, []).append(c)
+        object.__setattr__(self, "_by_prompt", by_prompt)
+        object.__setattr__(self, "_prompt_lengths", sorted(by_prompt))
+        object.__setattr__(self, "_batch_sizes", sorted(self.decode_step_s))
+
+    def decode_s(self, batch_size: int, rng: random.Random) -> float:
+        """One decode step of `batch_size` rows: a measured step of the nearest measured size."""
+        sizes = self._batch_sizes
+        i = bisect.bisect_left(sizes, batch_size)
+        nearest = min(sizes[max(0, i - 1): i + 1], key=lambda s: (abs(s - batch_size), -s))
+        return rng.choice(self.decode_step_s[nearest])
+
+    def completion(self, prompt_tokens: int, rng: random.Random) -> Completion:
+        """A measured completion of a prompt of the nearest measured length (ties: the shorter)."""
+        lengths = self._prompt_lengths
+        i = bisect.bisect_left(lengths, prompt_tokens)
+        nearest = min(lengths[max(0, i - 1): i + 1], key=lambda n: (abs(n - prompt_tokens), n))
+        return rng.choice(self._by_prompt[nearest])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": COSTS_FORMAT, "seed": self.seed, "info": self.info,
+                "decode_step_s": {str(k): v for k, v in sorted(self.decode_step_s.items())},
+                "prefill": [self.prefill.intercept_s, self.prefill.per_token_s],
+                "train": [self.train.intercept_s, self.train.per_token_s],
+                "completions": [[c.prompt_tokens, c.completion_tokens, c.finish_reason] for c in self.completions]}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+
+def load_costs(path: str | Path) -> Costs:
+    """Read a costs file written by Costs.save. Raises ValueError naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"modelled.costs_file: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != COSTS_FORMAT:
+        raise ValueError(f"modelled.costs_file: {path} is not a costs file of format {COSTS_FORMAT}")
+    try:
+        return Costs(decode_step_s={int(k): [float(s) for s in v] for k, v in data["decode_step_s"].items()},
+                     prefill=LinearCost(*map(float, data["prefill"])), train=LinearCost(*map(float, data["train"])),
+                     completions=[Completion(int(p), int(n), str(r)) for p, n, r in data["completions"]],
+                     seed=int(data.get("seed", 0)), info=dict(data.get("info", {})))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"modelled.costs_file: {path}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------ generator
+
+
+@dataclass
+class _Row:
+    request: Request
+    length: int  # tokens this sample will have
+    reason: str  # its finish reason
+    tokens: torch.Tensor  # int64 [length], decided at admission
+    added_s: float
+    versions: list[int] = field(default_factory=list)
+    first_token_s: float = 0.0
+
+
+class ModelledBackend:
+    """TorchBackend's interface without the model: each step sleeps a measured decode cost.
+
+    Not thread-safe, like TorchBackend. `real` provides the limits (batch size, context, eos ids,
+    vocabulary); its model is never run and its weights are never touched."""
+
+    def __init__(self, real: TorchBackend, costs: Costs):
+        self.costs = costs
+        self.max_batch_size = real.max_batch_size
+        self.max_model_len = real.max_model_len
+        self.eos_token_ids = list(real.eos_token_ids)
+        self.vocab_size = real._vocab_size
+        self.policy_version = real.policy_version
+        self.pause_admission = False
+        self.stats = BackendStats()
+        self._rng = random.Random(f"decode:{costs.seed}")
+        self._waiting: deque[_Row] = deque()
+        self._rows: list[_Row] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self) -> int:
+        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+
+    def add(self, request: Request) -> None:
+        """Queue one request; its length is drawn now. Raises ValueError like TorchBackend.add."""
+        prompt, gid, sid = request.prompt_ids, request.group_id, request.sample_id
+        if len(prompt) == 0:
+            raise ValueError(f"group {gid} sample {sid}: empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"group {gid} sample {sid}: prompt has {len(prompt)} tokens, but max_model_len "
+                             f"is {self.max_model_len}")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"group {gid}: prompt token ids must lie in [0, {self.vocab_size})")
+        self._waiting.append(self._draw(request))
+
+    def _draw(self, request: Request) -> _Row:
+        # Seeded by (group, sample) only: the same sample gets the same length in every run and mode.
+        rng = random.Random(f"length:{self.costs.seed}:{request.group_id}:{request.sample_id}")
+        measured = self.costs.completion(len(request.prompt_ids), rng)
+        limit = min(request.sampling.max_new_tokens, self.max_model_len - len(request.prompt_ids))
+        length, reason = (measured.completion_tokens, measured.finish_reason)
+        if length >= limit:
+            length, reason = limit, "length"
+        stops = set(request.sampling.stop_token_ids) | set(self.eos_token_ids)
+        plain = [t for t in range(self.vocab_size) if t not in stops] or [0]
+        tokens = [rng.choice(plain) for _ in range(length)]
+        if reason == "stop":
+            if stops:
+                tokens[-1] = min(stops)
+            else:
+                reason = "length"  # nothing can stop it: it ran to its length
+        return _Row(request, length, reason, torch.tensor(tokens, dtype=torch.long), time.monotonic())
+
+    def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
+        groups = set(group_ids)
+        out = [self._finished(r, "cancelled") for r in self._waiting if r.request.group_id in groups]
+        self._waiting = deque(r for r in self._waiting if r.request.group_id not in groups)
+        out += [self._finished(r, "cancelled") for r in self._rows if r.request.group_id in groups]
+        self._rows = [r for r in self._rows if r.request.group_id not in groups]
+        return out
+
+    def step(self) -> list[Finished]:
+        """Admit waiting rows (unless paused), sleep for their prefill and one decode step of the running
+        batch, and emit one token per row; returns the samples that finished."""
+        start_s = time.monotonic()
+        prefill_s = 0.0
+        if not self.pause_admission and self._waiting and len(self._rows) < self.max_batch_size:
+            new = [self._waiting.popleft() for _ in range(min(len(self._waiting),
+                                                              self.max_batch_size - len(self._rows)))]
+            width = max(len(r.request.prompt_ids) - 1 for r in new)
+            prefill_s = self.costs.prefill(width * len(new))
+            self._rows.extend(new)
+        if not self._rows:
+            return []
+        time.sleep(prefill_s + self.costs.decode_s(len(self._rows), self._rng))
+        now = time.monotonic()
+        done, keep = [], []
+        for row in self._rows:
+            if not row.versions:
+                row.first_token_s = now
+            row.versions.append(self.policy_version)
+            (done if len(row.versions) == row.length else keep).append(row)
+        self._rows = keep
+        elapsed = now - start_s
+        self.stats.num_steps += 1
+        self.stats.num_generated_tokens += len(keep) + len(done)
+        self.stats.prefill_s += min(prefill_s, elapsed)
+        self.stats.decode_s += elapsed - min(prefill_s, elapsed)
+        return [self._finished(r, r.reason) for r in done]
+
+    def drain(self) -> list[Finished]:
+        paused, self.pause_admission = self.pause_admission, True
+        try:
+            out: list[Finished] = []
+            while self._rows:
+                out += self.step()
+            return out
+        finally:
+            self.pause_admission = paused
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Only the version changes: the modelled generator has no weights to load."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
+        self.policy_version = version
+
+    def _finished(self, row: _Row, reason: str) -> Finished:
+        now = time.monotonic()
+        n = len(row.versions)
+        first = row.first_token_s or now
+        return Finished(row.request.group_id, row.request.sample_id, row.request.prompt_ids,
+                        row.tokens[:n].clone(), torch.full((n,), -math.log(self.vocab_size), dtype=torch.float32),
+                        torch.tensor(row.versions, dtype=torch.long), reason,
+                        queue_s=first - row.added_s, decode_s=now - first)
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+
+def patch_learner(learner: Any, costs: Costs) -> None:
+    """Replace learner.step: sleep the modelled training time of the batch's logical tokens, advance
+    step_count and policy_version, return the metrics a real step reports about the batch."""
+
+    def step(batch) -> dict[str, float]:
+        start_s = time.monotonic()
+        samples = flatten_samples(batch)
+        if not samples:
+            raise ValueError("batch: no samples")
+        tokens = sum(s.num_tokens for s in samples)
+        modelled_s = costs.train(tokens)
+        time.sleep(modelled_s)
+        staleness = [learner.policy_version - s.min_policy_version for s in samples]
+        learner.step_count += 1
+        learner.policy_version += 1
+        rewards = [s.reward for s in samples]
+        return {
+            "trainer/tokens/logical": float(tokens),
+            "trainer/tokens/loss": float(sum(s.num_completion_tokens for s in samples)),
+            "trainer/samples": float(len(samples)),
+            "trainer/reward/mean": statistics.fmean(rewards),
+            "trainer/staleness/max": float(max(staleness)),
+            "trainer/staleness/mean": statistics.fmean(staleness),
+            "trainer/step": float(learner.step_count),
+            "trainer/policy_version": float(learner.policy_version),
+            "trainer/modelled/step_s": modelled_s,
+            "trainer/time/step_s": time.monotonic() - start_s,
+        }
+
+    learner.step = step
