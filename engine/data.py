@@ -76,16 +76,15 @@ class PromptSource:
         self.max_prompt_tokens = max_prompt_tokens
         self.position = position
         self.skipped_too_long = 0
-        self._rows = self._make_rows()
+        self._rows = self._synthetic_rows() if cfg.source == "synthetic" else self._file_rows(file_rows(cfg))
 
-    def _make_rows(self) -> Iterator[dict[str, Any]]:
-        if self.cfg.source == "synthetic":
-            from engine.tasks import synthetic_prompts
+    def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
+        from engine.tasks import synthetic_prompts
 
-            for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
-                yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
-            return
-        rows = file_rows(self.cfg)
+        for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
+            yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
+
+    def _file_rows(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for _ in range(self.position):  # files have no random access in general; skip what was used
             next(rows, None)
         yield from rows

@@ -1,0 +1,83 @@
+"""The trainer service in-process against a fake generator speaking the protocol over tcp loopback:
+bad rollouts are counted as discards with their reason and the run continues; a generator with the
+wrong vocabulary is rejected with a clear reason; accounting holds at the end."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.config import load_config
+from engine.trainer.service import TrainerService
+from protocol import messages as m
+from protocol.transport import Client, Rejected
+
+
+import os
+
+TINY = ["--model.path", os.environ["TAILRACE_TEST_MODEL"]] if "TAILRACE_TEST_MODEL" in os.environ else []
+
+
+def make_service(tmp_path, *overrides):
+    cfg = load_config(None, ["--train.steps", "1", "--train.groups_per_step", "1", "--sampling.group_size", "4",
+                             "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
+                             "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "svc",
+                             "--trainer.heartbeat_interval_s", "0.2", *TINY, *overrides])
+    return TrainerService(cfg)
+
+
+def rollout(item, sample_id, completion, *, version=0, logprob=-0.5):
+    ids = torch.tensor(completion, dtype=torch.int32)
+    return m.Rollout(group_id=item.group_id, sample_id=sample_id,
+                     prompt_token_ids=torch.tensor(item.prompt_token_ids, dtype=torch.int32),
+                     completion_token_ids=ids, behaviour_logprobs=torch.full((len(completion),), logprob),
+                     policy_versions=torch.full((len(completion),), version, dtype=torch.int32),
+                     min_policy_version=version, max_policy_version=version, finish_reason="stop")
+
+
+async def wait_bound(service):
+    while service.server is None or not service.server.address.rpartition(":")[2].isdigit():
+        await asyncio.sleep(0.02)
+    return service.server.address
+
+
+@pytest.mark.timeout(120)
+async def test_bad_rollouts_are_discarded_and_run_continues(tmp_path):
+    service = make_service(tmp_path)
+    vocab, eos = service.vocab_size, service.tokenizer.eos_token_id
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    async with Client(address, role="generator", name="fake", max_inflight=8,
+                      capabilities={"vocab_size": vocab}) as gen:
+        await asyncio.wait_for(gen.connect(), 10)
+        await gen.send(m.WorkRequest(capacity=4, policy_version=0))
+        work = await asyncio.wait_for(gen.recv(), 10)
+        assert isinstance(work, m.Work) and len(work.items) == 1
+        item = work.items[0]
+        assert item.num_samples == 4 and item.sampling.stop_token_ids == [eos]
+        good = [service.tokenizer.convert_tokens_to_ids(c) for c in "abc"] + [eos]
+        await gen.send(rollout(item, 0, good))
+        await gen.send(rollout(item, 1, []))                 # empty completion
+        await gen.send(rollout(item, 2, [vocab + 5, eos]))    # token outside the vocabulary
+        await gen.send(rollout(item, 2, good))                # duplicate of a discarded sample: dropped
+        await gen.send(rollout(item, 3, good[:2] + [eos]))
+        summary = await asyncio.wait_for(run, 60)
+    assert summary["steps"] == 1 and summary["samples_trained"] == 2
+    assert summary["discarded"]["empty_completion"] == 1 and summary["discarded"]["bad_rollout"] == 1
+    assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+    assert service.counters["rollouts_dropped/duplicate"] == 1
+
+
+@pytest.mark.timeout(120)
+async def test_generator_with_wrong_vocabulary_is_rejected(tmp_path):
+    service = make_service(tmp_path)
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    try:
+        client = Client(address, role="generator", name="wrong", capabilities={"vocab_size": service.vocab_size + 1})
+        with pytest.raises(Rejected, match="vocab_size"):
+            await asyncio.wait_for(client.connect(), 10)
+        await client.close()
+    finally:
+        service.request_stop("test over")
+        await asyncio.wait_for(run, 60)
