@@ -80,7 +80,7 @@ def _buffer_of(frame: Any) -> Any:
 
 
 def _nbytes(frame: Any) -> int:
-    if type(frame) is bytes or hasattr(frame, "bytes"):  # bytes, zmq.Frame: len() counts bytes
+    if type(frame) is bytes or hasattr(type(frame), "bytes"):  # bytes, zmq.Frame: len() counts bytes
         return len(frame)
     return memoryview(frame).nbytes
 
@@ -91,7 +91,7 @@ def _header_bytes(frame: Any) -> bytes:
         return frame
     if _nbytes(frame) != HEADER_BYTES:
         return b""
-    return frame.bytes if hasattr(frame, "bytes") else bytes(memoryview(frame).cast("B"))
+    return frame.bytes if hasattr(type(frame), "bytes") else bytes(memoryview(frame).cast("B"))
 
 
 def peek_header(frame: Any) -> tuple[int, int]:

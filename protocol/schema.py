@@ -24,8 +24,6 @@ __all__ = [
     "ProtocolError",
     "Scalar",
     "decode_fields",
-    "describe_bounds",
-    "describe_type",
     "message",
     "struct",
     "wire",
@@ -549,79 +547,3 @@ def decode_fields(cls: type, values: Any, ctx: Any = None) -> Any:
         path = exc.field_path()
         where = f"{cls.__name__}.{path}" if path else cls.__name__
         raise ProtocolError(f"{where}: {exc.text}", code=exc.code, kind=cls.__name__, field=path) from None
-
-
-# ---------------------------------------------------------------------------------------- documentation
-
-
-def describe_type(tp: Any, meta: dict | None = None) -> str:
-    """The wire type of a field as written in protocol/SPEC.md's message tables, e.g. `int`,
-    `array<int>`, `map<str, float>`, `tensor`, `SamplingParams`, `int | nil`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp == Scalar:
-        return "scalar"
-    if origin in (types.UnionType, typing.Union):
-        return " | ".join("nil" if a is type(None) else describe_type(a) for a in args)
-    if tp is Array:
-        return "tensor"
-    if tp is bytes:
-        return "bin"
-    if tp in (int, float, str, bool):
-        return tp.__name__
-    if origin is list:
-        return f"array<{describe_type(args[0])}>"
-    if origin is dict:
-        return f"map<{describe_type(args[0])}, {describe_type(args[1])}>"
-    if dataclasses.is_dataclass(tp):
-        return tp.__name__
-    raise TypeError(f"no wire name for {tp!r}")
-
-
-def describe_bounds(tp: Any, meta: dict) -> str:
-    """The bounds of a field as written in protocol/SPEC.md's message tables."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (types.UnionType, typing.Union) and tp != Scalar:
-        return describe_bounds(next(a for a in args if a is not type(None)), meta)
-    if origin is list:
-        inner = describe_bounds(args[0], dict(meta, max_len=None))
-        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_LIST)} elements"
-        return f"{count}; each {inner}" if inner else count
-    if origin is dict:
-        inner = describe_bounds(args[1], dict(meta, max_len=None))
-        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_MAP)} entries"
-        return f"{count}; each value {inner}" if inner else count
-    if tp is int:
-        lo = INT64_MIN if meta["ge"] is None else meta["ge"]
-        hi = INT64_MAX if meta["le"] is None else meta["le"]
-        return f"{_num(lo)}..{_num(hi)}"
-    if tp is float:
-        if meta["ge"] is None and meta["le"] is None:
-            return ""
-        lo = "-inf" if meta["ge"] is None else _num(meta["ge"])
-        hi = "inf" if meta["le"] is None else _num(meta["le"])
-        return f"{lo}..{hi}, not NaN"
-    if tp in (str, bytes):
-        if meta["choices"]:
-            return "one of " + ", ".join(f'"{c}"' for c in meta["choices"])
-        return f"<= {_num(meta['max_len'] or DEFAULT_MAX_STR)} {'characters' if tp is str else 'bytes'}"
-    if tp is Array:
-        parts = [" or ".join(meta["dtypes"]) if meta["dtypes"] else "any dtype"]
-        if meta["ndim"] is not None:
-            parts.append(f"{meta['ndim']}-d")
-        if meta["max_len"] is not None:
-            parts.append(f"<= {_num(meta['max_len'])} elements")
-        return ", ".join(parts)
-    return ""
-
-
-def _num(x: float) -> str:
-    if isinstance(x, float) and not x.is_integer():
-        return repr(x)
-    x = int(x)
-    if x == INT64_MAX:
-        return "2^63-1"
-    if x == INT64_MIN:
-        return "-2^63"
-    if x >= 1 << 16 and x & (x - 1) == 0:
-        return f"2^{x.bit_length() - 1}"
-    return str(x)

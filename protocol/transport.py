@@ -1,19 +1,22 @@
 """Asyncio ZeroMQ transport: the trainer's Server binds, every other process is a Client that connects.
 
-One address is all a client needs (tcp://host:port, ipc://path, or inproc://name with a shared
-zmq.asyncio.Context: the in-process twin used by tests). The conversation rules (handshake, heartbeats,
-credits, CURVE, size limits) are in protocol/SPEC.md. Test: pytest tests/protocol/test_transport.py
+One address is all a client needs: tcp://host:port, ipc://path, or inproc://name with a shared ZeroMQ
+context (e.g. one zmq.asyncio.Context: the in-process twin used by tests). Sockets are driven by the
+asyncio loop through their ZMQ_FD (_Wire); run() uses uvloop. Conversation rules (handshake, heartbeats,
+credits, CURVE, size limits): protocol/SPEC.md. Test: pytest tests/protocol/test_transport.py
 
-    Server: ROUTER (requests, streams) + PUB (notices)       Client: DEALER [+ SUB after subscribe()]
-    _recv_loop   waits: ROUTER readable; drains <= BATCH      _recv_loop   waits: DEALER readable; drains
-                 Hello -> Welcome/Reject, Heartbeat and                    Heartbeat: alive; Credit: wakes
-                 Shutdown here; Score-like routes to their                 send(); the rest -> inbox
-                 handler; the rest take one credit -> inbox                (<= max_queue) -> recv()
-    recv()       owner pops the inbox; each credits/2 popped   send()       waits while credits == 0;
-                 messages of a peer return it a Credit                     unblocked by a Credit
-    _heartbeat   every interval: Heartbeat to each peer,      _heartbeat   every interval: Heartbeat;
-                 peers silent > peer_timeout_s are dead                    silent server -> ConnectionLost
-The inbox holds at most credits x max_peers messages: a peer's message beyond its credit is dropped.
+  Server = ROUTER (sessions) + PUB (notices)              Client = DEALER [+ SUB after subscribe()]
+  task server-recv: waits for ROUTER readable; <= BATCH    task client-recv: waits for DEALER readable;
+     messages per wakeup. Hello -> Welcome | Reject;          Heartbeat: alive; Credit: wakes send();
+     Heartbeat, Credit, Shutdown handled here; routed         Shutdown, the rest -> inbox (<= max_queue)
+     kinds -> handler; the rest take 1 credit -> inbox     send(): waits while credits == 0 or the
+  recv() (owner): pops the inbox; each credits/2 messages     socket is full; unblocked by Credit
+     popped from a peer -> Credit(n) to that peer          task client-heartbeat: every interval sends
+  task server-heartbeat: every interval a Heartbeat to        Heartbeat; silent server -> ConnectionLost
+     each peer; a peer silent > peer_timeout_s is dead
+Bounds: the inbox holds <= credits x max_peers messages (+ lifecycle events); a message beyond its peer's
+credit is dropped and counted. ZeroMQ high-water marks are never waited on: a send that would block fails
+and is counted (server) or waits for room (client).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 import zmq
-import zmq.asyncio
+import zmq.backend
 
 from protocol import codec
 from protocol.codec import Limits, ProtocolError
@@ -178,11 +181,6 @@ def _notice_connect_address(notice_endpoint: str, connect_address: str) -> str:
     return notice_endpoint
 
 
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
 class _Ticks:
     """Heartbeat clock. next() sleeps to the next tick and says whether silence may be judged now: not
     right after the event loop stalled, when heartbeats that did arrive may still wait unread."""
@@ -219,14 +217,132 @@ class _RateLimiter:
         return allowed
 
 
-class _Endpoint:
-    """What Server and Client share: supervised background tasks, an inbox, counters, socket options."""
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+# pyzmq's Cython methods: its Python layer (enums, options) costs several us per message
+_base_send, _base_recv, _base_get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+ZERO_COPY_MIN_BYTES = 64 << 10
+"""Frames at least this large are handed to ZeroMQ without a copy (pyzmq keeps the buffer alive until
+ZeroMQ is done with it); smaller ones are copied, which is cheaper than tracking them."""
 
-    def __init__(self, limits: Limits, context: zmq.asyncio.Context | None):
+
+def _recv_multipart(sock: zmq.Socket, num_copied: int) -> list:
+    """One message, or zmq.Again. The first `num_copied` frames (envelope, header, body) come as
+    bytes, which is cheapest for small frames; tensor frames after them as zero-copy zmq.Frames."""
+    frames = [_base_recv(sock, _NOBLOCK, True)]
+    while _base_get(sock, _RCVMORE):
+        frames.append(_base_recv(sock, _NOBLOCK, len(frames) < num_copied))
+    return frames
+
+
+def _send_multipart(sock: zmq.Socket, frames: list) -> None:
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        _base_send(sock, frame, _NOBLOCK_MORE if i < last else _NOBLOCK, size < ZERO_COPY_MIN_BYTES)
+
+
+class _Wire:
+    """One ZeroMQ socket driven by the asyncio loop. Its ZMQ_FD is edge-triggered and any send or
+    receive may consume the edge, so: the receive loop sleeps only after a receive said EAGAIN, and every
+    send schedules one ZMQ_EVENTS check (at most one per loop iteration) that wakes waiters. This is
+    what zmq.asyncio does per call; doing it per loop iteration is several times cheaper at high rates."""
+
+    def __init__(self, sock: zmq.Socket, num_copied: int):
+        self.sock = sock
+        self.num_copied = num_copied
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._check_scheduled = False
+        self._loop.add_reader(self._fd, self._check)
+
+    def _check(self) -> None:
+        self._check_scheduled = False
+        if self.sock.closed:
+            return
+        events = self.sock.getsockopt(_EVENTS)
+        if events & _POLLIN:
+            self._readable.set()
+        if events & _POLLOUT:
+            self._writable.set()
+
+    def _schedule_check(self) -> None:
+        if not self._check_scheduled:
+            self._check_scheduled = True
+            self._loop.call_soon(self._check)
+
+    def send_nowait(self, frames: list) -> bool:
+        """False when the socket has no room (EAGAIN); other ZeroMQ errors are raised."""
+        try:
+            _send_multipart(self.sock, frames)
+            return True
+        except zmq.Again:
+            return False
+        finally:
+            self._schedule_check()
+
+    async def send(self, frames: list) -> None:
+        if not self._send_lock.locked() and self.send_nowait(frames):
+            return
+        async with self._send_lock:  # senders that had to wait go in order
+            while True:
+                if self.sock.closed:
+                    raise TransportError("the socket was closed while a send waited for room")
+                if self.send_nowait(frames):
+                    return
+                self._writable.clear()
+                self._check()
+                await self._writable.wait()
+
+    async def drain_forever(self, handle: Callable[[list], None]) -> None:
+        sock, num_copied = self.sock, self.num_copied
+        while True:
+            for _ in range(BATCH):
+                try:
+                    frames = _recv_multipart(sock, num_copied)
+                except zmq.Again:
+                    break
+                handle(frames)
+            else:
+                await asyncio.sleep(0)  # a full batch: let the owner run before draining more
+                continue
+            self._readable.clear()
+            await self._readable.wait()
+
+    def recv_nowait(self) -> list | None:
+        try:
+            return _recv_multipart(self.sock, self.num_copied)
+        except zmq.Again:
+            return None
+
+    async def wait_readable(self) -> None:
+        """Call after recv_nowait() returned None. Also returns on wake()."""
+        self._readable.clear()
+        await self._readable.wait()
+
+    def wake(self) -> None:
+        self._readable.set()
+        self._writable.set()
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self._loop.remove_reader(self._fd)
+            self.sock.close(linger=LINGER_MS)
+        self.wake()
+
+
+class _Endpoint:
+    """What Server and Client share: supervised background tasks, an inbox, counters, sockets."""
+
+    def __init__(self, limits: Limits, context: zmq.Context | None):
         self.limits = limits
         self.counters: collections.Counter[str] = collections.Counter()
         self._context = context
-        self._sockets: list[zmq.asyncio.Socket] = []
+        self._wires: list[_Wire] = []
         self._tasks: set[asyncio.Task] = set()
         self._inbox: collections.deque = collections.deque()
         self._ready = asyncio.Event()
@@ -235,21 +351,26 @@ class _Endpoint:
         self._errors = _RateLimiter(rate_per_s=10.0, burst=10.0)
 
     def _socket(self, kind: int, curve_server_secret: bytes | None = None,
-                curve_server_public: bytes | None = None) -> zmq.asyncio.Socket:
-        ctx = self._context or zmq.asyncio.Context.instance()
-        sock = ctx.socket(kind)
-        self._sockets.append(sock)
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        if curve_server_secret is not None:
-            sock.curve_server = True
-            sock.curve_secretkey = curve_server_secret
-        elif curve_server_public is not None:
-            public, secret = self._client_keys
-            sock.curve_serverkey = curve_server_public
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
-        return sock
+                curve_server_public: bytes | None = None) -> _Wire:
+        ctx = self._context or zmq.Context.instance()
+        sock = ctx.socket(kind, socket_class=zmq.Socket)
+        try:
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+            if curve_server_secret is not None:
+                sock.curve_server = True
+                sock.curve_secretkey = curve_server_secret
+            elif curve_server_public is not None:
+                public, secret = self._client_keys
+                sock.curve_serverkey = curve_server_public
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
+            wire = _Wire(sock, num_copied=3 if kind == zmq.ROUTER else 2)  # ROUTER: + routing id
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._wires.append(wire)
+        return wire
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -278,36 +399,18 @@ class _Endpoint:
             self._ready.clear()
             await self._ready.wait()
 
-    def _send_nowait(self, sock: zmq.asyncio.Socket, frames: list) -> bool:
-        """Hand frames to ZeroMQ without waiting. False when the pipe is full or the peer is unknown.
-        Goes through the asyncio socket (not a shadow) so that it rearms its edge-triggered reader."""
-        fut = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        if not fut.done():  # queued behind a waiting send; it reports through the future
-            fut.add_done_callback(_retrieve)
-            return True
-        exc = fut.exception()
-        if exc is None:
-            return True
-        if isinstance(exc, zmq.Again):
+    def _send_nowait(self, wire: _Wire, frames: list) -> bool:
+        """Hand frames to ZeroMQ without waiting. False (counted) when the pipe is full or the peer is
+        not connected (ROUTER_MANDATORY)."""
+        try:
+            if wire.send_nowait(frames):
+                return True
             self.counters["send_failed/full"] += 1
-            return False
-        if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
             self.counters["send_failed/unroutable"] += 1
-            return False
-        raise exc
-
-    async def _drain_forever(self, sock: zmq.asyncio.Socket, handle: Callable[[list], None]) -> None:
-        shadow = zmq.Socket.shadow(sock.underlying)
-        while True:
-            handle(await sock.recv_multipart(copy=False))
-            for _ in range(BATCH - 1):
-                try:
-                    frames = shadow.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                handle(frames)
-            else:
-                await asyncio.sleep(0)  # a full batch: let the owner run before draining more
+        return False
 
     async def _close_all(self) -> None:
         self._closed = True
@@ -315,9 +418,9 @@ class _Endpoint:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # failures were reported by _task_done
-        for sock in self._sockets:
-            sock.close(linger=LINGER_MS)
-        self._sockets.clear()
+        for wire in self._wires:
+            wire.close()
+        self._wires.clear()
         self._stop(TransportError("closed"))
 
 
@@ -334,7 +437,7 @@ class Server(_Endpoint):
                  policy_version: int | Callable[[], int] = 0, drafter_version: int | Callable[[], int] = 0,
                  credits: int = 64, heartbeat_interval_s: float = 1.0, missed_heartbeats: int = 5,
                  limits: Limits = codec.DEFAULT_LIMITS, curve_secret_key: bytes | None = None,
-                 curve_public_key: bytes | None = None, context: zmq.asyncio.Context | None = None,
+                 curve_public_key: bytes | None = None, context: zmq.Context | None = None,
                  accept: Callable[[Hello], Reject | None] | None = None, max_peers: int = 1024):
         if not 1 <= credits <= 1 << 20:
             raise ValueError(f"credits must be in 1..2^20, got {credits}")
@@ -386,22 +489,25 @@ class Server(_Endpoint):
         self._drafter_version = value
 
     async def start(self) -> Server:
+        if self._router is not None or self._closed:
+            raise RuntimeError("start() was already called")
         try:
             self._router = self._socket(zmq.ROUTER, curve_server_secret=self._curve_secret)
-            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail loudly, never block
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer keeps its session
-            self._router.bind(self.address)
-            self.address = self._router.last_endpoint.decode()
+            router = self._router.sock
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail loudly, never block
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer keeps its session
+            router.bind(self.address)
+            self.address = router.last_endpoint.decode()
             self._pub = self._socket(zmq.PUB, curve_server_secret=self._curve_secret)
-            self._pub.bind(_notice_bind_address(self.address))
-            self.notice_address = self._pub.last_endpoint.decode()
+            self._pub.sock.bind(_notice_bind_address(self.address))
+            self.notice_address = self._pub.sock.last_endpoint.decode()
         except BaseException:
             await self._close_all()
             raise
         if self.address.startswith("tcp://") and self._curve_secret is None and not any(
                 h in self.address for h in ("//127.", "//localhost", "//[::1]")):
             log.warning("listening on %s without CURVE: anyone who can reach it can join", self.address)
-        self._spawn(self._drain_forever(self._router, self._on_frames), "server-recv")
+        self._spawn(self._router.drain_forever(self._on_frames), "server-recv")
         self._spawn(self._heartbeat_loop(), "server-heartbeat")
         return self
 
@@ -421,6 +527,11 @@ class Server(_Endpoint):
 
     def recv_nowait(self) -> tuple[Any, Any] | None:
         return self._take() if self._inbox else None
+
+    @property
+    def num_queued(self) -> int:
+        """Items waiting for recv() (bounded by credits x peers, plus lifecycle events)."""
+        return len(self._inbox)
 
     def _take(self) -> tuple[Any, Any]:
         peer, msg = self._inbox.popleft()
@@ -471,7 +582,7 @@ class Server(_Endpoint):
     # ---------------------------------------------------------------------------------- receive
 
     def _on_frames(self, frames: list) -> None:
-        ident = frames[0].bytes
+        ident = frames[0]
         peer = self._peers.get(ident)
         if peer is not None:
             peer.last_seen_s = time.monotonic()
@@ -489,7 +600,9 @@ class Server(_Endpoint):
         if peer is None:
             if kind is Hello:
                 self._on_hello(ident, msg)
-            elif kind is not Shutdown:
+            elif kind is Shutdown or kind is Error:  # never answer an Error with an Error
+                self.counters["ignored/not_welcome"] += 1
+            else:
                 self.counters["dropped/not_welcome"] += 1
                 self._reply_error(ident, ErrorCode.NOT_WELCOME, "send Hello and wait for Welcome first", kind.KIND)
             return
@@ -643,7 +756,7 @@ class Client(_Endpoint):
                  capabilities: dict[str, Any] | None = None, package_version: str | None = None,
                  curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
                  curve_secret_key: bytes | None = None, limits: Limits = codec.DEFAULT_LIMITS,
-                 context: zmq.asyncio.Context | None = None, max_queue: int = 1 << 16):
+                 context: zmq.Context | None = None, max_queue: int = 1 << 16):
         _scheme(address)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -670,7 +783,6 @@ class Client(_Endpoint):
         self._last_seen_s = 0.0
         self._dealer: Any = None
         self._sub: Any = None
-        self._lost: asyncio.Future | None = None
 
     @property
     def credits(self) -> int:
@@ -687,12 +799,12 @@ class Client(_Endpoint):
         if self._dealer is not None:
             raise RuntimeError("connect() was already called")
         loop = asyncio.get_running_loop()
-        self._welcomed, self._lost = loop.create_future(), loop.create_future()
+        self._welcomed = loop.create_future()
         try:
             self._dealer = self._socket(zmq.DEALER, curve_server_public=self.curve_server_key)
-            self._dealer.setsockopt(zmq.ROUTING_ID, b"tr-" + secrets.token_hex(8).encode())
-            self._dealer.connect(self.address)
-            self._spawn(self._drain_forever(self._dealer, self._on_frames), "client-recv")
+            self._dealer.sock.setsockopt(zmq.ROUTING_ID, b"tr-" + secrets.token_hex(8).encode())
+            self._dealer.sock.connect(self.address)
+            self._spawn(self._dealer.drain_forever(self._on_frames), "client-recv")
             await self._send_frames(codec.encode(self.hello))
             try:
                 welcome = await asyncio.wait_for(asyncio.shield(self._welcomed), timeout_s)
@@ -708,8 +820,8 @@ class Client(_Endpoint):
 
     async def send(self, msg: Any) -> None:
         """Send one message, waiting for credit (messages other than Hello, Heartbeat, Credit,
-        Shutdown) and for room in the socket. Tensors are sent without copying: do not modify them
-        until the next send returns."""
+        Shutdown) and for room in the socket. Tensors over 64 KiB are handed to ZeroMQ without a copy
+        and transmitted later: send a clone of a tensor that will be modified in place."""
         frames = codec.encode(msg)
         if type(msg) not in FREE_KINDS:
             while self._credits <= 0:
@@ -751,10 +863,10 @@ class Client(_Endpoint):
             raise RuntimeError("subscribe() needs a Welcome with a notice endpoint: connect() first")
         if self._sub is None:
             self._sub = self._socket(zmq.SUB, curve_server_public=self.curve_server_key)
-            self._sub.connect(_notice_connect_address(self.welcome.notice_endpoint, self.address))
+            self._sub.sock.connect(_notice_connect_address(self.welcome.notice_endpoint, self.address))
         prefixes = [b""] if kinds is None else [b"TR" + bytes((PROTOCOL_VERSION, k)) for k in kinds]
         for prefix in prefixes:
-            self._sub.setsockopt(zmq.SUBSCRIBE, prefix)
+            self._sub.sock.setsockopt(zmq.SUBSCRIBE, prefix)
 
     async def recv_notice(self) -> Any:
         """Next notice; bad notices are counted and skipped. Raises ConnectionLost with recv()."""
@@ -762,16 +874,12 @@ class Client(_Endpoint):
             raise RuntimeError("recv_notice() needs subscribe() first")
         while True:
             self._check_open()
-            pending = asyncio.ensure_future(self._sub.recv_multipart(copy=False))
-            try:
-                await asyncio.wait((pending, self._lost), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not pending.done():
-                    pending.cancel()
-            if not pending.done() or pending.cancelled():
+            frames = self._sub.recv_nowait()
+            if frames is None:
+                await self._sub.wait_readable()
                 continue
             try:
-                return codec.decode(pending.result(), self.limits)
+                return codec.decode(frames, self.limits)
             except ProtocolError as exc:
                 self.counters["bad_notice"] += 1
                 log.warning("bad notice dropped: %s", exc)
@@ -785,8 +893,6 @@ class Client(_Endpoint):
                 self._send_nowait(self._dealer, codec.encode(Shutdown(reason=reason or "client closing")))
         finally:
             await self._close_all()
-            if self._lost is not None and not self._lost.done():
-                self._lost.set_result(None)
 
     # ---------------------------------------------------------------------------------- internals
 
@@ -799,31 +905,35 @@ class Client(_Endpoint):
     def _stop(self, error: BaseException, cause: BaseException | None = None) -> None:
         super()._stop(error, cause)
         self._credit_ready.set()
-        if self._lost is not None and not self._lost.done():
-            self._lost.set_result(None)
+        if self._sub is not None:
+            self._sub.wake()
         if self._welcomed is not None and not self._welcomed.done():
             self._welcomed.set_exception(self._error)
             self._welcomed.exception()  # retrieved here: connect() may already have timed out
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, level: int = logging.WARNING) -> None:
         if self._error is None:
-            log.warning("lost the trainer at %s: %s", self.address, reason)
+            log.log(level, "lost the trainer at %s: %s", self.address, reason)
         self._stop(ConnectionLost(reason))
 
     async def _send_frames(self, frames: list) -> None:
-        if not self._send_nowait(self._dealer, frames):
-            await self._dealer.send_multipart(frames, copy=False)  # waits for room in the socket
+        await self._dealer.send(frames)
 
     def _on_frames(self, frames: list) -> None:
-        try:
-            msg = codec.decode(frames, self.limits)
-        except ProtocolError as exc:
-            self.counters["bad_input"] += 1
-            log.warning("bad message from the trainer dropped: %s", exc)
-            if self._errors.allow(b""):
-                self._send_nowait(self._dealer, codec.encode(Error(code=exc.code, text=str(exc)[:MAX_TEXT])))
+        if self._error is not None:  # the session is over: nothing more reaches the owner
+            self.counters["dropped/after_loss"] += 1
             return
         self._last_seen_s = time.monotonic()
+        try:
+            msg = codec.decode(frames, self.limits)
+        except Exception as exc:  # ProtocolError, or a codec bug: no input may stop this loop
+            self.counters["bad_input"] += 1
+            log.warning("bad message from the trainer dropped: %r", exc)
+            code = exc.code if isinstance(exc, ProtocolError) else ErrorCode.INTERNAL
+            if self._credits > 0 and self._errors.allow(b"") and self._send_nowait(
+                    self._dealer, codec.encode(Error(code=code, text=str(exc)[:MAX_TEXT]))):
+                self._credits -= 1  # an Error takes credit like any message
+            return
         kind = type(msg)
         if kind is Heartbeat:
             return
@@ -838,7 +948,7 @@ class Client(_Endpoint):
             self._lose(f"the trainer no longer knows this peer: {msg.text}")
         elif kind is Shutdown:
             self._inbox.append(msg)
-            self._lose(f"the trainer shut down: {msg.reason}")
+            self._lose(f"the trainer shut down: {msg.reason}", logging.INFO)
         elif len(self._inbox) >= self.max_queue:
             self.counters["dropped/queue_full"] += 1
         else:

@@ -27,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BENCHES: dict[str, str] = {
     "protocol": "tools.benches.protocol:run",  # codec + transport: rollout messages/s, tensor GB/s vs raw zmq
+    "spec": "tools.benches.spec:run",  # speculative decoding vs plain at running batch 1/2/4, after drafter training
+    "pipeline": "tools.benches.pipeline:run",  # sync vs stream, real and modelled compute: wall time ratio
+    "replay": "tools.benches.replay:run",  # branch-replay: naive vs replay vs packed step, efficiency vs FLOP ideal
+    "scale": "tools.benches.scale:run",  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
 }
 """NAME -> "module:function"."""
 

@@ -2,16 +2,19 @@
 
     python tools/bench.py protocol [--quick] [--json]
 
-Two processes, a receiver (binds, like the trainer) and a sender (connects), run these phases in order,
-kept apart by a small control socket:
+Two processes, a receiver (binds, like the trainer) and a sender (connects, like a generator), run these
+phases, kept apart by a small control socket:
 
-    raw_tensor      a 64 MB buffer as one plain zmq frame, DEALER -> ROUTER          (baseline)
-    raw_rollouts    the bytes of an encoded small Rollout as plain frames             (reference)
-    tensor          a 64 MB float32 tensor in a WeightsChunk: encode, send, receive, decode
-    rollouts        small Rollouts (4 small tensors, inline): encode, send, receive, decode
+    raw_tensor      64 MB as one plain zmq frame, DEALER -> ROUTER                        (baseline)
+    tensor          a 64 MB float32 tensor in a WeightsChunk: encode, Client.send, Server.recv, decode
+    raw_rollouts    the frames of an encoded small Rollout, plain zmq, no codec           (reference)
+    codec_rollouts  small Rollouts through the codec over plain sync zmq, no transport    (reference)
+    rollouts        small Rollouts (4 small tensors, inline): encode, Client.send, Server.recv, decode
 
-The receiver times each phase from its "go" to the last message received. Figures: rollout_msgs_per_s
-(one direction), tensor_gb_per_s, raw_zmq_gb_per_s, ratio = tensor / raw; targets 50000 msgs/s and 0.8.
+Each measurement alternates with its baseline over a few rounds so that both see the same machine state;
+the receiver times each phase from its "go" to the last message received. Figures: rollout_msgs_per_s
+(one direction), tensor_gb_per_s, raw_zmq_gb_per_s, ratio = tensor / raw (targets: 50000 msgs/s, 0.8),
+plus the references and the codec's own encode/decode time of one small Rollout.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,8 +32,7 @@ ROLLOUT_TARGET = 50_000
 RATIO_TARGET = 0.8
 TENSOR_BYTES = 64 << 20
 PROMPT_TOKENS, COMPLETION_TOKENS = 64, 32
-CREDITS = 1024
-"""Messages the sender may have in flight (transport flow control): the application's bound."""
+CREDITS = 1024  # messages the sender may have in flight (transport flow control): the application's bound
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,24 +59,24 @@ def weights_chunk():
 
 
 def phases(quick: bool) -> list[tuple[str, int]]:
-    """(phase, messages): a warm-up of each transport path, then rounds that alternate each
-    measurement with its baseline, so that both see the same machine state."""
-    rounds, num_tensors, num_rollouts = (2, 4, 30_000) if quick else (3, 10, 150_000)
+    """(phase, messages): a warm-up of each transport path, then alternating rounds."""
+    rounds, num_tensors, num_rollouts = (2, 4, 25_000) if quick else (3, 10, 150_000)
     return [("warmup_tensor", 1), ("warmup_rollouts", 2_000),
             *[("raw_tensor", num_tensors), ("tensor", num_tensors)] * rounds,
-            *[("raw_rollouts", num_rollouts), ("rollouts", num_rollouts)] * rounds]
+            *[("raw_rollouts", num_rollouts), ("codec_rollouts", num_rollouts), ("rollouts", num_rollouts)] * rounds]
 
 
 # ---------------------------------------------------------------------------------------- receiver
 
 
-def receiver(quick: bool, credits: int) -> None:
+def receiver(quick: bool) -> None:
     """Binds a control ROUTER, a plain data ROUTER and a transport Server; for each phase answers the
-    sender's announcement with "go", receives, and reports its time."""
-    import torch  # noqa: F401  (a trainer has it loaded; not part of the first decode's time)
+    sender's announcement with "go", receives, and adds up the phase's time."""
+    import torch  # noqa: F401  (a trainer has it loaded: keep the import out of the first decode's time)
     import zmq
     import zmq.asyncio
 
+    from protocol.codec import decode
     from protocol.transport import Server, run
 
     ctx, actx = zmq.Context(), zmq.asyncio.Context()
@@ -83,37 +86,35 @@ def receiver(quick: bool, credits: int) -> None:
         sock.bind("tcp://127.0.0.1:*")
 
     async def serve() -> dict:
-        results = {}
-        async with Server("tcp://127.0.0.1:0", run_id="bench", credits=credits) as server:
+        results: dict[str, dict] = {}
+        async with Server("tcp://127.0.0.1:0", run_id="bench", credits=CREDITS) as server:
             print("ready", control.getsockopt_string(zmq.LAST_ENDPOINT),
                   data.getsockopt_string(zmq.LAST_ENDPOINT), server.address, flush=True)
             for name, count in phases(quick):
-                peer = await _announced(control, name)
+                peer, announced = await control.recv_multipart()
+                assert announced.decode() == name, (announced, name)
+                await control.send_multipart([peer, b"go"])
                 start = time.perf_counter()
-                if name.startswith("raw_"):
+                if name.startswith("raw_"):  # blocking reads: the baseline gets the whole process
                     received_bytes = _receive_raw(data, count, copy=name != "raw_tensor")
+                elif name == "codec_rollouts":
+                    for _ in range(count):
+                        msg = decode(data.recv_multipart()[1:])
+                    received_bytes = 0
                 else:
                     received_bytes = await _receive_messages(server, name, count)
-                seconds = time.perf_counter() - start
                 total = results.setdefault(name, {"count": 0, "seconds": 0.0, "bytes": 0})
                 total["count"] += count
-                total["seconds"] += seconds
+                total["seconds"] += time.perf_counter() - start
                 total["bytes"] += received_bytes
                 await control.send_multipart([peer, b"done"])
+        assert msg.prompt_token_ids.tolist() == list(range(PROMPT_TOKENS))
         return results
 
     results = run(serve())
     print(json.dumps(results), flush=True)
     ctx.destroy(linger=0)
     actx.destroy(linger=0)
-
-
-async def _announced(control, name: str) -> bytes:
-    """Wait for the sender to announce phase `name`, and tell it to go."""
-    peer, announced = await control.recv_multipart()
-    assert announced.decode() == name, (announced, name)
-    await control.send_multipart([peer, b"go"])
-    return peer
 
 
 def _receive_raw(data, count: int, copy: bool) -> int:
@@ -126,7 +127,8 @@ def _receive_raw(data, count: int, copy: bool) -> int:
 async def _receive_messages(server, name: str, count: int) -> int:
     received = 0
     while received < count:
-        peer, msg = await server.recv()
+        item = server.recv_nowait()  # what has arrived, without a coroutine per message
+        peer, msg = item if item is not None else await server.recv()
         if msg is None:  # the sender's "joined" event
             continue
         received += 1
@@ -168,6 +170,9 @@ def sender(quick: bool, control_address: str, data_address: str, server_address:
                 elif name == "raw_rollouts":
                     for _ in range(count):
                         data.send_multipart(raw_rollout)
+                elif name == "codec_rollouts":
+                    for _ in range(count):
+                        data.send_multipart(encode(rollout))
                 else:
                     msg = chunk if name.endswith("tensor") else rollout
                     for _ in range(count):
@@ -182,51 +187,70 @@ def sender(quick: bool, control_address: str, data_address: str, server_address:
 # ---------------------------------------------------------------------------------------- driver
 
 
+def codec_times_us() -> tuple[float, float]:
+    """Best-of-repeats CPU time of encode and decode of one small Rollout, in microseconds."""
+    from protocol.codec import decode, encode
+
+    msg = small_rollout()
+    frames = [bytes(f) for f in encode(msg)]
+    best = []
+    for fn in (lambda: encode(msg), lambda: decode(frames)):
+        best.append(min(timeit.repeat(fn, number=2000, repeat=7, timer=time.thread_time)) / 2000 * 1e6)
+    return best[0], best[1]
+
+
 def _spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-m", "tools.benches.protocol", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, text=True)
 
 
-def run(quick: bool, log: Callable[[str], None]) -> dict:
-    log(f"phases: {', '.join(f'{n} x{c}' for n, c in phases(quick))}")
-    log("tcp loopback, sender and receiver in separate processes")
-    log(f"transport: protocol.transport Client -> Server, {CREDITS} credits")
-    receiving = _spawn("receive", "--quick" if quick else "--full")
+def _exchange(quick: bool) -> dict:
+    mode = "--quick" if quick else "--full"
+    receiving, sending = _spawn("receive", mode), None
     try:
         ready = receiving.stdout.readline().split()
         if not ready or ready[0] != "ready":
             raise RuntimeError("the receiver did not start")
-        sending = _spawn("send", "--quick" if quick else "--full", *ready[1:4])
-        timeout_s = 120 if quick else 900
-        if sending.wait(timeout=timeout_s) != 0:
+        sending = _spawn("send", mode, *ready[1:4])
+        if sending.wait(timeout=120 if quick else 900) != 0:
             raise RuntimeError(f"the sender failed with exit code {sending.returncode}")
         results = json.loads(receiving.stdout.readline())
         receiving.wait(timeout=30)
+        return results
     finally:
-        for proc in (receiving, locals().get("sending")):
+        for proc in (receiving, sending):
             if proc is not None and proc.poll() is None:
                 proc.kill()
+
+
+def run(quick: bool, log: Callable[[str], None]) -> dict:
+    encode_us, decode_us = codec_times_us()
+    log(f"codec, one small Rollout ({PROMPT_TOKENS}+{COMPLETION_TOKENS} tokens): encode {encode_us:.1f} us, "
+        f"decode {decode_us:.1f} us")
+    log(f"tcp loopback, sender and receiver in separate processes; transport credits {CREDITS}")
+    log(f"phases: {', '.join(f'{n} x{c}' for n, c in phases(quick))}")
+    results = _exchange(quick)
+    rate = {name: r["count"] / r["seconds"] for name, r in results.items()}
+    gbps = {name: r["bytes"] / r["seconds"] / 1e9 for name, r in results.items()}
     for name, r in results.items():
-        if name.startswith("warmup"):
-            continue
-        per_s = r["count"] / r["seconds"]
-        extra = f", {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s" if r["bytes"] else ""
-        log(f"{name:13s} {r['count']:7d} messages in {r['seconds']:.3f} s: {per_s:,.0f} msgs/s{extra}")
-    rollout_rate = results["rollouts"]["count"] / results["rollouts"]["seconds"]
-    tensor_gbps = results["tensor"]["bytes"] / results["tensor"]["seconds"] / 1e9
-    raw_gbps = results["raw_tensor"]["bytes"] / results["raw_tensor"]["seconds"] / 1e9
-    ratio = tensor_gbps / raw_gbps
+        if not name.startswith("warmup"):
+            extra = f", {gbps[name]:.2f} GB/s" if r["bytes"] else ""
+            log(f"{name:15s} {r['count']:7d} messages in {r['seconds']:.3f} s: {rate[name]:,.0f} msgs/s{extra}")
+    ratio = gbps["tensor"] / gbps["raw_tensor"]
     return {
-        "rollout_msgs_per_s": round(rollout_rate),
-        "tensor_gb_per_s": round(tensor_gbps, 3),
-        "raw_zmq_gb_per_s": round(raw_gbps, 3),
+        "rollout_msgs_per_s": round(rate["rollouts"]),
+        "tensor_gb_per_s": round(gbps["tensor"], 3),
+        "raw_zmq_gb_per_s": round(gbps["raw_tensor"], 3),
         "ratio": round(ratio, 3),
-        "raw_zmq_rollout_msgs_per_s": round(results["raw_rollouts"]["count"] / results["raw_rollouts"]["seconds"]),
         "rollout_target": ROLLOUT_TARGET,
         "ratio_target": RATIO_TARGET,
-        "rollout_target_met": rollout_rate >= ROLLOUT_TARGET,
+        "rollout_target_met": rate["rollouts"] >= ROLLOUT_TARGET,
         "ratio_target_met": ratio >= RATIO_TARGET,
+        "raw_zmq_rollout_msgs_per_s": round(rate["raw_rollouts"]),
+        "codec_zmq_rollout_msgs_per_s": round(rate["codec_rollouts"]),
+        "rollout_encode_us": round(encode_us, 2),
+        "rollout_decode_us": round(decode_us, 2),
         "credits": CREDITS,
     }
 
@@ -234,6 +258,6 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
 if __name__ == "__main__":
     role, mode, *addresses = sys.argv[1:]
     if role == "receive":
-        receiver(mode == "--quick", CREDITS)
+        receiver(mode == "--quick")
     else:
         sender(mode == "--quick", *addresses)
