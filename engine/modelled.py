@@ -6,8 +6,9 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      token per row; each sample's length is drawn from the measured completions of
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
-    patch_learner    learner.step sleeps a + b * tokens (fitted to measured training steps), advances
-                     step_count and policy_version, and leaves the weights alone
+    patch_learner    learner.step sleeps a + b * tokens, fitted to measured training steps against the
+                     tokens the naive trainer runs (padded micro-batches); advances step_count and
+                     policy_version, and leaves the weights alone
 
 Enabled by `modelled.costs_file` (engine/config.py); the costs are measured on the same machine by the
 benchmark that uses them (tools/benches/pipeline.py). Test: pytest tests/engine/test_modelled.py
@@ -30,7 +31,8 @@ from typing import Any
 import torch
 
 from engine.generator.backend import BackendStats, Finished, Request, TorchBackend
-from engine.samples import flatten_samples
+from engine.samples import TrainSample, flatten_samples
+from engine.trainer.learner import plan_micro_batches
 
 COSTS_FORMAT = 1
 
@@ -66,44 +68,36 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Costs:
     """Measured costs of one model on one machine (see tools/benches/pipeline.py for how)."""
 
     decode_step_s: dict[int, list[float]]  # running batch size -> seconds of single decode steps
     prefill: LinearCost  # over padded prompt tokens of the rows admitted in one step
-    train: LinearCost  # over logical tokens (prompt + completion) of a training batch
+    train: LinearCost  # over train_tokens() of a training batch
     completions: list[Completion]
     seed: int = 0
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
+    _by_prompt: dict[int, list[Completion]] = field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.decode_step_s or any(not v for v in self.decode_step_s.values()):
             raise ValueError("costs: decode_step_s needs at least one batch size with measurements")
         if not self.completions:
             raise ValueError("costs: completions is empty")
-        by_prompt: dict[int, list[Completion]] = {}
+        self._by_prompt = {}
         for c in self.completions:
             if c.completion_tokens < 1 or c.finish_reason not in ("stop", "length"):
                 raise ValueError(f"costs: bad completion {c}")
-            by_prompt.setdefault(c.prompt_tokens, []).append(c)
-        object.__setattr__(self, "_by_prompt", by_prompt)
-        object.__setattr__(self, "_prompt_lengths", sorted(by_prompt))
-        object.__setattr__(self, "_batch_sizes", sorted(self.decode_step_s))
+            self._by_prompt.setdefault(c.prompt_tokens, []).append(c)
 
     def decode_s(self, batch_size: int, rng: random.Random) -> float:
         """One decode step of `batch_size` rows: a measured step of the nearest measured size."""
-        sizes = self._batch_sizes
-        i = bisect.bisect_left(sizes, batch_size)
-        nearest = min(sizes[max(0, i - 1): i + 1], key=lambda s: (abs(s - batch_size), -s))
-        return rng.choice(self.decode_step_s[nearest])
+        return rng.choice(self.decode_step_s[_nearest(sorted(self.decode_step_s), batch_size)])
 
     def completion(self, prompt_tokens: int, rng: random.Random) -> Completion:
         """A measured completion of a prompt of the nearest measured length (ties: the shorter)."""
-        lengths = self._prompt_lengths
-        i = bisect.bisect_left(lengths, prompt_tokens)
-        nearest = min(lengths[max(0, i - 1): i + 1], key=lambda n: (abs(n - prompt_tokens), n))
-        return rng.choice(self._by_prompt[nearest])
+        return rng.choice(self._by_prompt[_nearest(sorted(self._by_prompt), prompt_tokens)])
 
     def to_json(self) -> dict[str, Any]:
         return {"format": COSTS_FORMAT, "seed": self.seed, "info": self.info,
@@ -114,6 +108,26 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
+
+
+def _nearest(values: list[int], x: int) -> int:
+    """The element of sorted `values` closest to x; ties go to the smaller."""
+    i = bisect.bisect_left(values, x)
+    return min(values[max(0, i - 1): i + 1], key=lambda v: (abs(v - x), v))
+
+
+def padded_tokens(row_lengths: list[int], micro_batch_tokens: int) -> int:
+    """Tokens the naive trainer runs through the model for rows of these lengths (prompt + completion
+    - 1): each row padded to the longest of its micro-batch, planned as engine/trainer/learner.py does.
+    Heavy-tailed lengths pad a lot."""
+    return sum(len(rows) * row_lengths[rows[0]] for rows in plan_micro_batches(row_lengths, micro_batch_tokens))
+
+
+def train_tokens(samples: list[TrainSample], micro_batch_tokens: int, replay: str = "naive") -> int:
+    """What costs.train is fitted against: padded_tokens under the naive strategy; the logical tokens
+    (every row unpadded) under the shared-prefix strategies, a proxy of their work."""
+    row_lengths = [s.num_tokens - 1 for s in samples]
+    return padded_tokens(row_lengths, micro_batch_tokens) if replay == "naive" else sum(row_lengths)
 
 
 def load_costs(path: str | Path) -> Costs:
@@ -145,6 +159,24 @@ class _Row:
     added_s: float
     versions: list[int] = field(default_factory=list)
     first_token_s: float = 0.0
+
+
+def _sample_rng(costs: Costs, group_id: int, sample_id: int) -> random.Random:
+    # Seeded by (group, sample) only: the same sample gets the same length in every run and mode.
+    return random.Random(f"sample:{costs.seed}:{group_id}:{sample_id}")
+
+
+def completion_length(costs: Costs, group_id: int, sample_id: int, prompt_tokens: int, limit: int) -> tuple[int, str]:
+    """(length, finish_reason) of one modelled sample: a measured completion of a prompt of the nearest
+    length, cut to `limit` (max_new_tokens or the context), which makes it a "length" finish."""
+    measured = costs.completion(prompt_tokens, _sample_rng(costs, group_id, sample_id))
+    if measured.completion_tokens >= limit:
+        return limit, "length"
+    return measured.completion_tokens, measured.finish_reason
+
+
+def _not_in(stops: set[int], vocab_size: int) -> int:
+    return next((t for t in range(vocab_size) if t not in stops), 0)
 
 
 class ModelledBackend:
@@ -190,16 +222,13 @@ class ModelledBackend:
         self._waiting.append(self._draw(request))
 
     def _draw(self, request: Request) -> _Row:
-        # Seeded by (group, sample) only: the same sample gets the same length in every run and mode.
-        rng = random.Random(f"length:{self.costs.seed}:{request.group_id}:{request.sample_id}")
-        measured = self.costs.completion(len(request.prompt_ids), rng)
+        rng = _sample_rng(self.costs, request.group_id, request.sample_id)
         limit = min(request.sampling.max_new_tokens, self.max_model_len - len(request.prompt_ids))
-        length, reason = (measured.completion_tokens, measured.finish_reason)
-        if length >= limit:
-            length, reason = limit, "length"
+        length, reason = completion_length(self.costs, request.group_id, request.sample_id,
+                                           len(request.prompt_ids), limit)
         stops = set(request.sampling.stop_token_ids) | set(self.eos_token_ids)
-        plain = [t for t in range(self.vocab_size) if t not in stops] or [0]
-        tokens = [rng.choice(plain) for _ in range(length)]
+        tokens = [rng.randrange(self.vocab_size) for _ in range(length)]
+        tokens = [t if t not in stops else _not_in(stops, self.vocab_size) for t in tokens]
         if reason == "stop":
             if stops:
                 tokens[-1] = min(stops)
@@ -274,8 +303,9 @@ class ModelledBackend:
 
 
 def patch_learner(learner: Any, costs: Costs) -> None:
-    """Replace learner.step: sleep the modelled training time of the batch's logical tokens, advance
-    step_count and policy_version, return the metrics a real step reports about the batch."""
+    """Replace learner.step: sleep the modelled training time of the batch (costs.train of its
+    train_tokens), advance step_count and policy_version, return the metrics a real step reports about
+    the batch. The weights and the optimizer are never touched."""
 
     def step(batch) -> dict[str, float]:
         start_s = time.monotonic()
@@ -283,7 +313,8 @@ def patch_learner(learner: Any, costs: Costs) -> None:
         if not samples:
             raise ValueError("batch: no samples")
         tokens = sum(s.num_tokens for s in samples)
-        modelled_s = costs.train(tokens)
+        padded = train_tokens(samples, learner.config.micro_batch_tokens, learner.config.replay)
+        modelled_s = costs.train(padded)
         time.sleep(modelled_s)
         staleness = [learner.policy_version - s.min_policy_version for s in samples]
         learner.step_count += 1
@@ -292,6 +323,7 @@ def patch_learner(learner: Any, costs: Costs) -> None:
         return {
             "trainer/tokens/logical": float(tokens),
             "trainer/tokens/loss": float(sum(s.num_completion_tokens for s in samples)),
+            "trainer/tokens/padded": float(padded),
             "trainer/samples": float(len(samples)),
             "trainer/reward/mean": statistics.fmean(rewards),
             "trainer/staleness/max": float(max(staleness)),

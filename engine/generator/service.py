@@ -27,6 +27,8 @@ from protocol import messages as m
 
 log = logging.getLogger("tailrace.generator")
 
+EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
+
 
 class Action(enum.Enum):
     SHUTDOWN = "shutdown"
@@ -212,6 +214,8 @@ class GeneratorService:
                 self.state.request_outstanding = False
                 self.state.exhausted = msg.exhausted
                 self.state.pending_items.extend(msg.items)
+                if msg.exhausted:  # ask again later: a dead peer's work may be re-dispatched
+                    asyncio.get_running_loop().call_later(EXHAUSTED_RETRY_S, self.retry_work)
             elif isinstance(msg, m.Cancel):
                 groups = set(msg.group_ids)
                 self.state.pending_items = collections.deque(
@@ -230,6 +234,10 @@ class GeneratorService:
                 if msg.ref_kind == m.WeightsFetch.KIND:
                     self.assembler = None  # that version is gone; a newer notice follows
             self.wakeup.set()
+
+    def retry_work(self) -> None:
+        self.state.exhausted = False
+        self.wakeup.set()
 
     async def on_notice(self, notice: m.WeightsNotice) -> None:
         if notice.model != "policy" or notice.version <= self.backend.policy_version:

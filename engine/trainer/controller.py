@@ -73,7 +73,7 @@ class Controller:
 
     def __init__(self, prompts: Iterator[PromptRecord], *, group_size: int, groups_per_step: int,
                  max_staleness: int, max_groups_in_flight: int = 0, policy_version: int = 0,
-                 groups_admitted: int = 0):
+                 groups_admitted: int = 0, total_steps: int = 0):
         self.prompts = prompts
         self.group_size = group_size
         self.groups_per_step = groups_per_step
@@ -82,7 +82,11 @@ class Controller:
         self.policy_version = policy_version
         self.groups_admitted = groups_admitted  # over the whole run, resumes included
         self.base_admitted = groups_admitted - policy_version * groups_per_step
-        self.exhausted = False
+        # Never admit groups for steps the run will not take (0 = unbounded); groups that end with no
+        # trainable sample are replaced.
+        self.max_groups = self.base_admitted + total_steps * groups_per_step if total_steps else None
+        self.groups_empty = 0
+        self.source_exhausted = False
         self.stopping = False
         self.groups: dict[int, GroupState] = {}
         self.queue: collections.deque[SampleRange] = collections.deque()
@@ -92,19 +96,25 @@ class Controller:
         self.discarded: collections.Counter[str] = collections.Counter()
         self.max_staleness_seen = 0
 
+    @property
+    def exhausted(self) -> bool:
+        """No group will ever be admitted again: the prompts ran out or the run's steps are covered."""
+        return self.source_exhausted or (
+            self.max_groups is not None and self.groups_admitted >= self.max_groups + self.groups_empty)
+
     # ------------------------------------------------------------------------------- admission
 
     def _gate_open(self) -> bool:
         allowed = self.base_admitted + (self.policy_version + self.max_staleness + 1) * self.groups_per_step
         in_flight = len(self.groups)
-        return (not self.stopping and not self.exhausted and self.groups_admitted < allowed
+        return (not self.stopping and not self.exhausted and self.groups_admitted < allowed + self.groups_empty
                 and in_flight < self.max_groups_in_flight)
 
     def _admit_one(self) -> bool:
         try:
             prompt = next(self.prompts)
         except StopIteration:
-            self.exhausted = True
+            self.source_exhausted = True
             return False
         group_id = self.groups_admitted
         self.groups_admitted += 1
@@ -181,6 +191,8 @@ class Controller:
             del self.groups[group.group_id]
             if group.results:
                 self.complete.append(group)
+            else:
+                self.groups_empty += 1
 
     def on_generator_dead(self, peer: str) -> list[SampleRange]:
         """Samples handed to a dead generator and not yet received are discarded ("generator_dead") and

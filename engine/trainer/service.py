@@ -95,7 +95,8 @@ class TrainerService:
                                      max_staleness=cfg.controller.max_staleness,
                                      max_groups_in_flight=cfg.controller.max_groups_in_flight,
                                      policy_version=self.learner.policy_version,
-                                     groups_admitted=position.get("groups_admitted", 0))
+                                     groups_admitted=position.get("groups_admitted", 0),
+                                     total_steps=cfg.train.steps)
         self.controller.samples_handed_out = counters.get("samples_handed_out", 0)
         self.controller.samples_trained = counters.get("samples_trained", 0)
         self.controller.discarded.update(counters.get("discarded", {}))
@@ -179,10 +180,11 @@ class TrainerService:
         total = self.cfg.train.steps
         while self.learner.step_count < total and not self.stop_requested:
             batch = self.controller.pop_batch()
-            if batch is None and self.controller.exhausted and not self.controller.groups:
+            if batch is None and self.controller.exhausted and not self.controller.groups \
+                    and not self.controller.queue:
                 batch = self.controller.pop_final() or None
                 if batch is None:
-                    self.request_stop("prompts exhausted")
+                    self.request_stop("no more work: prompts exhausted or every group was discarded")
                     break
             if batch is None:
                 self.changed.clear()

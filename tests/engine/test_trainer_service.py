@@ -13,16 +13,11 @@ from protocol import messages as m
 from protocol.transport import Client, Rejected
 
 
-import os
-
-TINY = ["--model.path", os.environ["TAILRACE_TEST_MODEL"]] if "TAILRACE_TEST_MODEL" in os.environ else []
-
-
 def make_service(tmp_path, *overrides):
     cfg = load_config(None, ["--train.steps", "1", "--train.groups_per_step", "1", "--sampling.group_size", "4",
                              "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
                              "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "svc",
-                             "--trainer.heartbeat_interval_s", "0.2", *TINY, *overrides])
+                             "--trainer.heartbeat_interval_s", "0.2", *overrides])
     return TrainerService(cfg)
 
 

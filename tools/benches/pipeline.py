@@ -1,0 +1,435 @@
+"""Pipeline benchmark: synchronous (batch barrier) against streaming, real and with modelled compute.
+
+    python tools/bench.py pipeline [--quick] [--json]
+
+One workload (the default synthetic task on the shipped tiny model; same train.steps, groups_per_step
+and group_size, so the same samples trained), run four ways, each as separate OS processes (a trainer
+and two generators over tcp loopback, built-in rewards):
+
+    sync             controller.max_staleness 0: generate the whole batch, then train
+    stream           controller.max_staleness 1: finished groups stream into training
+    modelled_sync    the same two with modelled.costs_file (engine/modelled.py): no model runs in any
+    modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
+                     this run, so the scheduler alone is timed, free of 2-core CPU contention
+
+Measuring (a child process, one torch thread like each role): CPU seconds of real decode steps at every
+batch size 1..generator.max_batch_size, of prefill, and of training steps against the tokens the trainer
+runs (CPU time, not wall time, so that other load on the machine does not inflate the costs); and
+completions of the task by the real model (another data seed than the runs) for the length distribution.
+
+Processes: this process imports torch and transformers once and forks each role, which then runs
+`engine.cli.main` exactly as `tailrace trainer|generator` would (a role starts in about a second instead
+of five). A tool process on the notice socket times each run: from the first generator joining to the
+last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; generators 1 - backend busy
+seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
+of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
+it means the workload's balance of compute, not the scheduler, limits the gain. The full run repeats
+every mode twice (ABCD DCBA) and reports means.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+RATIO_TARGET = 1.0
+MODELLED_RATIO_TARGET = 2.0
+MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
+NUM_GENERATORS = 2
+MODES = {  # name -> (controller.max_staleness, modelled compute)
+    "sync": (0, False),
+    "stream": (1, False),
+    "modelled_sync": (0, True),
+    "modelled_stream": (1, True),
+}
+_fork = multiprocessing.get_context("fork")
+
+
+@dataclass(frozen=True)
+class Workload:
+    steps: int
+    groups_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 64
+    max_batch_size: int = 32
+    model_path: str = ""  # "" = the shipped tiny model
+
+    def overrides(self) -> list[str]:
+        return ["--train.steps", str(self.steps), "--train.groups_per_step", str(self.groups_per_step),
+                "--sampling.group_size", str(self.group_size), "--sampling.max_new_tokens", str(self.max_new_tokens),
+                "--generator.max_batch_size", str(self.max_batch_size),
+                *(["--model.path", self.model_path] if self.model_path else [])]
+
+    def config(self):
+        from engine.config import load_config
+
+        return load_config(None, self.overrides())
+
+
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+def _sampling(cfg, stop_token_ids: list[int], **changes):
+    """The trainer's sampling parameters (engine/trainer/service.py answer_work)."""
+    from protocol.messages import SamplingParams
+
+    s = cfg.sampling
+    params = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                  stop_token_ids=stop_token_ids)
+    return SamplingParams(**(params | changes))
+
+
+def _prompts(cfg, tokenizer, count: int, seed: int, max_prompt_tokens: int) -> list:
+    """The first `count` prompts of the run's data stream with another seed, as the trainer makes them."""
+    from dataclasses import replace
+
+    from engine.data import PromptSource
+
+    source = PromptSource(replace(cfg.data, seed=seed), tokenizer, max_prompt_tokens=max_prompt_tokens)
+    return [next(source) for _ in range(count)]
+
+
+def measure_decode(cfg, model, prompts, steps: int) -> tuple[dict[int, list[float]], list, float]:
+    """CPU seconds of decode steps at every batch size (eos off, so the batch stays full), prefill
+    points (padded tokens, seconds), and the wall / CPU time ratio seen (contention)."""
+    from engine.generator.backend import Request, TorchBackend
+
+    size_max, max_len = cfg.generator.max_batch_size, model.config.max_position_embeddings
+    sampling = _sampling(cfg, [], max_new_tokens=steps + 1)
+    decode: dict[int, list[float]] = {}
+    prefill, wall, cpu = [], 0.0, 0.0
+    for size in range(1, size_max + 1):
+        backend = TorchBackend(model, max_batch_size=size_max, max_model_len=max_len, eos_token_ids=(), seed=size)
+        rows = [prompts[i % len(prompts)].token_ids for i in range(size)]
+        for i, ids in enumerate(rows):
+            backend.add(Request(i, 0, ids, sampling))
+        start = time.process_time()
+        backend.step()  # admission: prefill and the first decode step
+        prefill.append((size * max(len(ids) - 1 for ids in rows), time.process_time() - start))
+        decode[size] = []
+        while backend.num_running:
+            start, start_wall = time.process_time(), time.perf_counter()
+            backend.step()
+            decode[size].append(time.process_time() - start)
+            cpu, wall = cpu + decode[size][-1], wall + time.perf_counter() - start_wall
+    return decode, prefill, wall / max(cpu, 1e-9)
+
+
+def measure_completions(cfg, model, tokenizer, prompts) -> list:
+    """The real model's completions of the prompts, group_size samples each, sampled as the generator does."""
+    from engine import models
+    from engine.generator.backend import Request, TorchBackend
+
+    backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
+                           max_model_len=model.config.max_position_embeddings,
+                           eos_token_ids=models.eos_token_ids(model, tokenizer), seed=0)
+    sampling = _sampling(cfg, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    for prompt in prompts:
+        for sid in range(cfg.sampling.group_size):
+            backend.add(Request(prompt.prompt_id, sid, prompt.token_ids, sampling))
+    finished = []
+    while backend.num_running or backend.num_waiting:
+        finished += backend.step()
+    return finished
+
+
+def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[tuple[int, float]]:
+    """(train tokens, CPU seconds) of real learner steps, the trainer's config, on batches of `sizes`
+    groups of the real completions."""
+    from engine import models, tasks
+    from engine.modelled import train_tokens
+    from engine.samples import Group, TrainSample, flatten_samples
+    from engine.trainer.learner import Learner
+    from engine.trainer.service import learner_config
+
+    by_id = {p.prompt_id: p for p in prompts}
+    groups: dict[int, list] = {}
+    for f in finished:
+        prompt = by_id[f.group_id]
+        reward = tasks.score(prompt.text, tokenizer.decode(f.completion_ids.tolist(), skip_special_tokens=True),
+                             prompt.metadata)
+        groups.setdefault(f.group_id, []).append(TrainSample(
+            group_id=f.group_id, sample_id=f.sample_id, prompt_ids=prompt.token_ids, completion_ids=f.completion_ids,
+            behaviour_logprobs=f.behaviour_logprobs, policy_versions=f.policy_versions, reward=reward,
+            temperature=cfg.sampling.temperature or 1.0, finish_reason=f.finish_reason))
+    all_groups = [Group(group_id=g, samples=s) for g, s in sorted(groups.items())]
+    model = models.load_model(cfg.model.path or "tiny", dtype=cfg.model.dtype)
+    model.train()
+    learner = Learner(model, learner_config(cfg))
+    learner.step(all_groups[:1])  # warm-up: optimizer state, allocator
+    points = []
+    for i, size in enumerate(sizes):
+        first = (3 * i) % max(1, len(all_groups) - size + 1)  # other groups each time: a spread of lengths
+        batch = all_groups[first: first + size]
+        start = time.process_time()
+        learner.step(batch)
+        points.append((train_tokens(flatten_samples(batch), cfg.train.micro_batch_tokens, cfg.train.replay),
+                       time.process_time() - start))
+    return points
+
+
+def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], None]) -> None:
+    """Measure this machine's costs for workload `w` and write them to `path` (run in a child process)."""
+    import torch
+
+    from engine import models
+    from engine.modelled import Completion, Costs, LinearCost
+
+    torch.set_num_threads(1)  # as each role runs (launch.torch_threads)
+    cfg = w.config()
+    tokenizer = models.load_tokenizer(cfg.model.path or "tiny")
+    model = models.load_model(cfg.model.path or "tiny", dtype=cfg.model.dtype)
+    max_prompt = model.config.max_position_embeddings - w.max_new_tokens
+    prompts = _prompts(cfg, tokenizer, 16 if quick else 48, MEASURE_DATA_SEED, max_prompt)
+    load_before = load_1m()
+    decode, prefill, contention = measure_decode(cfg, model, prompts, 6 if quick else 24)
+    log(f"decode step: {1e3 * statistics.median(decode[1]):.2f} ms CPU at batch 1, "
+        f"{1e3 * statistics.median(decode[w.max_batch_size]):.2f} ms at batch {w.max_batch_size} "
+        f"(wall / CPU time while measuring: {contention:.2f})")
+    finished = measure_completions(cfg, model, tokenizer, prompts)
+    completions = [Completion(len(f.prompt_ids), len(f.completion_ids), f.finish_reason) for f in finished]
+    lengths = sorted(c.completion_tokens for c in completions)
+    log(f"completions: {len(lengths)} samples, median {statistics.median(lengths)} tokens, "
+        f"p99 {_quantile(lengths, 0.99)}, max {lengths[-1]}, "
+        f"{sum(c.finish_reason == 'length' for c in completions)} cut at max_new_tokens")
+    train_points = measure_train(cfg, tokenizer, prompts, finished, [2, 8, 4] if quick else [1, 2, 4, 8, 12, 8, 4, 16])
+    train = LinearCost.fit(train_points)
+    log(f"train step: {train.intercept_s * 1e3:.1f} ms + {train.per_token_s * 1e6:.1f} us per padded token "
+        f"({', '.join(f'{t} tokens {s:.3f} s' for t, s in train_points)})")
+    Costs(decode_step_s=decode, prefill=LinearCost.fit(prefill), train=train, completions=completions,
+          info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
+                "load_1m_before": load_before, "load_1m_after": load_1m(), "train_points": train_points,
+                "data_seed": MEASURE_DATA_SEED}).save(path)
+
+
+def _quantile(sorted_values: list, q: float):
+    return sorted_values[round(q * (len(sorted_values) - 1))]
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+def _preload(model_path: str) -> None:
+    """Heavy imports, once, before any fork; no torch op and no ZeroMQ context here (neither survives fork)."""
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    import importlib
+
+    import torch
+    from transformers import AutoConfig
+
+    from engine import models
+
+    torch.set_num_threads(1)
+    for module in ("engine.cli", "engine.modelled", "engine.trainer.main", "engine.trainer.service",
+                   "engine.generator.main", "engine.generator.service", "protocol.transport"):
+        importlib.import_module(module)
+    model_type = AutoConfig.from_pretrained(models.resolve_model_path(model_path)).model_type
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def _redirect(log_path: Path) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _role(argv: list[str], log_path: Path) -> None:
+    """A forked child: `tailrace ARGV`, its output in log_path."""
+    _redirect(log_path)
+    from engine.cli import main
+
+    sys.exit(main(argv))
+
+
+def _watcher(address: str, steps: int, out: Path, ready: Path, log_path: Path) -> None:
+    """A forked child: a tool on the notice socket recording (time.monotonic, system-wide) when generators
+    join and when each policy version is published; writes them to `out` as JSON."""
+    _redirect(log_path)
+    from protocol import messages as m
+    from protocol.transport import Client, TransportError, run
+
+    async def watch() -> dict[str, float]:
+        times: dict[str, float] = {}
+        async with Client(address, role="tool", name=f"bench-pipeline-{os.getpid()}") as client:
+            await client.connect(timeout_s=30.0)
+            await client.subscribe()
+            await client.recv_notice()  # the subscription is live: the trainer's Stats reached us
+            ready.touch()
+            while f"v{steps}" not in times:
+                try:
+                    msg = await client.recv_notice()
+                except TransportError:
+                    break
+                now = time.monotonic()
+                if isinstance(msg, m.Event) and msg.event == "peer_joined" and msg.fields.get("role") == "generator":
+                    times.setdefault("first_join", now)
+                    times["last_join"] = now
+                elif isinstance(msg, m.WeightsNotice) and msg.model == "policy":
+                    times.setdefault(f"v{msg.version}", now)
+        return times
+
+    out.write_text(json.dumps(run(watch())))
+
+
+def _start(target: Callable, *args) -> multiprocessing.Process:
+    proc = _fork.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _wait(proc: multiprocessing.Process, done: Callable[[], bool], deadline: float, what: str, log_path: Path) -> None:
+    while not done():
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} (exit code {proc.exitcode}):\n{_tail(log_path)}")
+        time.sleep(0.02)
+
+
+def _read_json(path: Path) -> dict | None:
+    """The file's JSON, or None while it does not exist or is still being written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.is_file() else ""
+
+
+def _stop(procs: list[multiprocessing.Process]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout_s: float) -> dict:
+    """One run: trainer, NUM_GENERATORS generators and the timing tool as processes. Returns its figures."""
+    common = [*args, "--trainer.runs_dir", str(runs_dir), "--trainer.run_name", name]
+    run_dir = runs_dir / name
+    run_dir.mkdir(parents=True)
+    deadline = time.monotonic() + timeout_s
+    trainer_log = run_dir / "trainer.log"
+    trainer = _start(_role, ["trainer", "--trainer.bind", "tcp://127.0.0.1:0", *common], trainer_log)
+    procs = [trainer]
+    try:
+        endpoint = run_dir / "endpoint.json"
+        _wait(trainer, lambda: _read_json(endpoint) is not None, deadline, f"{name}: the trainer did not start",
+              trainer_log)
+        address = _read_json(endpoint)["address"]
+        times_path, ready = run_dir / "times.json", run_dir / "watcher.ready"
+        watcher = _start(_watcher, address, steps, times_path, ready, run_dir / "watcher.log")
+        procs.append(watcher)
+        _wait(watcher, ready.is_file, deadline, f"{name}: the timing tool did not connect", run_dir / "watcher.log")
+        for i in range(NUM_GENERATORS):
+            procs.append(_start(_role, ["generator", "--connect", address, "--name", f"gen-{i}", *common],
+                                run_dir / f"gen-{i}.log"))
+        trainer.join(timeout=max(0.0, deadline - time.monotonic()))
+        if trainer.exitcode != 0:
+            raise RuntimeError(f"{name}: the trainer {'timed out' if trainer.is_alive() else 'failed'} "
+                               f"(exit code {trainer.exitcode}):\n{_tail(trainer_log)}")
+        for proc in procs[1:]:
+            proc.join(timeout=20)
+    finally:
+        _stop(procs)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    times = json.loads(times_path.read_text()) if times_path.is_file() else {}
+    if f"v{steps}" not in times or "first_join" not in times:
+        raise RuntimeError(f"{name}: the timing tool missed the start or the end of the run: {times}")
+    seconds = times[f"v{steps}"] - times["first_join"]
+    gens = summary["generator_time_s"].values()
+    busy, wall = sum(g["busy_s"] for g in gens), sum(g["wall_s"] for g in gens)
+    return {"seconds": seconds, "join_spread_s": times["last_join"] - times["first_join"],
+            "idle_trainer": 1.0 - summary["trainer_busy_s"] / seconds, "trainer_busy_s": summary["trainer_busy_s"],
+            "generator_busy_s": [g["busy_s"] for g in gens],
+            "idle_generators": 1.0 - busy / wall if wall else float("nan"),
+            "samples_trained": summary["samples_trained"], "discarded": summary["discarded"],
+            "max_staleness_seen": summary["max_staleness_seen"],
+            "generator_exit_codes": [p.exitcode for p in procs[2:]]}
+
+
+# ---------------------------------------------------------------------------------------- the benchmark
+
+
+def run(quick: bool, log: Callable[[str], None]) -> dict:
+    w = Workload(steps=3 if quick else 12)
+    work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-"))
+    log(f"workload: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} (removed "
+        "unless the benchmark fails)")
+    _preload(w.model_path or "tiny")
+    costs_path = work / "costs.json"
+    measure = _start(measure_costs, w, costs_path, quick, log)
+    measure.join()
+    if measure.exitcode != 0:
+        raise RuntimeError(f"measuring the costs failed (exit code {measure.exitcode})")
+    # The full run repeats the modes in mirrored order (ABCD DCBA), so a drift in the machine's other
+    # load weighs on every mode alike.
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
+        staleness, modelled = MODES[mode]
+        args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
+                "--trainer.stats_interval_s", "0.2", *(["--modelled.costs_file", str(costs_path)] if modelled else [])]
+        load = load_1m()
+        r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600)
+        r["load_1m"] = load
+        results[mode].append(r)
+        log(f"{mode:16s} {r['seconds']:7.2f} s   idle: trainer {r['idle_trainer']:.2f}, generators "
+            f"{r['idle_generators']:.2f}   samples {r['samples_trained']}   generators joined "
+            f"{r['join_spread_s']:.2f} s apart   load {load}")
+    from engine.modelled import load_costs
+
+    out = figures(w, load_costs(costs_path), results)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _mean(runs: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs)
+
+
+def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
+    s, t = _mean(results["sync"], "seconds"), _mean(results["stream"], "seconds")
+    ms, mt = _mean(results["modelled_sync"], "seconds"), _mean(results["modelled_stream"], "seconds")
+    trained = sorted({r["samples_trained"] for runs in results.values() for r in runs})
+    # No schedule of the stream run's work beats its busiest process: trainer or one generator.
+    busiest = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"]) for r in results["modelled_stream"])
+    lengths = sorted(c.completion_tokens for c in costs.completions)
+    out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
+           "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
+    for key in ("idle_trainer", "idle_generators"):
+        out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
+    out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}
+    out |= {"samples_equal": len(trained) == 1,
+            "ratio_target": RATIO_TARGET, "ratio_met": s / t > RATIO_TARGET,
+            "modelled_ratio_target": MODELLED_RATIO_TARGET, "modelled_ratio_met": ms / mt >= MODELLED_RATIO_TARGET,
+            "modelled_ratio_bound": round(ms / busiest, 3),
+            "runs_per_mode": len(results["sync"]), "steps": w.steps, "groups_per_step": w.groups_per_step,
+            "group_size": w.group_size, "max_new_tokens": w.max_new_tokens, "max_batch_size": w.max_batch_size,
+            "max_staleness_seen": {mode: max(r["max_staleness_seen"] for r in runs) for mode, runs in results.items()},
+            "decode_step_ms_b1": round(1e3 * statistics.median(costs.decode_step_s[1]), 3),
+            f"decode_step_ms_b{w.max_batch_size}": round(1e3 * statistics.median(costs.decode_step_s[w.max_batch_size]), 3),
+            "train_ms_per_1k_padded_tokens": round(1e3 * costs.train(1000), 1),
+            "completion_len_median": statistics.median(lengths), "completion_len_p99": _quantile(lengths, 0.99),
+            "measure_wall_over_cpu": round(costs.info.get("wall_over_cpu", float("nan")), 2),
+            "load_1m": {mode: [r["load_1m"] for r in runs] for mode, runs in results.items()}}
+    return out
