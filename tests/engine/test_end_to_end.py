@@ -70,6 +70,12 @@ def test_trainer_generator_reward_processes(tmp_path):
                             tmp_path / "gen.log"))
         procs.append(_start(["reward", "--connect", address, "--fn", "engine.tasks:score", "--name", "r0"],
                             tmp_path / "reward.log"))
+        top = subprocess.run([sys.executable, str(ROOT / "tools" / "top.py"), "--connect", address, "--once", "--json",
+                              "--window-s", "1.5"], capture_output=True, text=True, timeout=60, env=_env())
+        assert top.returncode == 0, top.stderr
+        snapshot = json.loads(top.stdout.strip().splitlines()[-1])
+        assert snapshot["processes"]["trainer"]["role"] == "trainer"
+        assert "trainer/controller/samples_handed_out" in snapshot["processes"]["trainer"]["counters"]
         trainer.wait(timeout=240)
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         for proc in procs[1:]:
