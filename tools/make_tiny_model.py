@@ -1,19 +1,24 @@
-"""Build the shipped tiny model: a character tokenizer and a small Qwen2, briefly pretrained on a task.
+"""Build the shipped tiny model: a character tokenizer and a small Llama, briefly pretrained on a task.
 
-    python tools/make_tiny_model.py                      # writes examples/tiny/ (about 2 minutes, 2 cores)
-    python tools/make_tiny_model.py --out /tmp/tiny --steps 400 --seed 0
+    python tools/make_tiny_model.py          # writes examples/tiny/ (about 2.5 CPU-minutes, one thread)
+    python tools/make_tiny_model.py --out /tmp/tiny --steps 500 --noisy-steps 150 --seed 0
 
-The model (Qwen2 architecture, grouped-query attention, tied embeddings, about 1M parameters) is
-trained with supervised next-token loss on the built-in synthetic task (engine/tasks.py) for a short,
-fixed number of steps, on purpose: the result is a reasonable but imperfect policy (sampled at
-temperature 1 its mean reward is well below 1, and samples of one prompt differ), so RL has signal
-and room to improve. Seeded and single-threaded by default, so a rerun on the same machine gives
-the same weights. The output folder loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
+The model (Llama architecture, 4 layers, hidden 128, 4 heads over 2 KV heads = grouped-query
+attention, tied embeddings, about 1M parameters, float32 safetensors of 4 MB) is trained with
+next-token loss on the answers of the built-in synthetic task (engine/tasks.py): clean answers
+first, then a last phase on noisy answers (characters after the second replaced by a random letter
+with probability 0.7). The result is a reasonable but imperfect policy: sampled at temperature 1 its
+mean reward is about 0.45, samples of one prompt share their first answer tokens and then differ, and
+GRPO lifts the reward quickly. Llama, not Qwen2: transformers 5 replaces the tokenizer of any
+``qwen2`` checkpoint by a byte-level Qwen2Tokenizer rebuilt from the vocabulary, which would silently
+drop characters of this one. Seeded and single-threaded by default, so a rerun on the same machine
+gives the same weights. The output loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -28,6 +33,8 @@ from engine import tasks  # noqa: E402  (pure Python; torch is imported in main(
 
 # The data stream the pretraining draws from; RL runs use other seeds of the same task.
 PRETRAIN_SEED_OFFSET = 1_000_000
+# Answer characters never corrupted in the noisy phase of pretraining.
+CLEAN_PREFIX = 2
 
 
 def build_tokenizer():
@@ -41,9 +48,11 @@ def build_tokenizer():
     core.decoder = decoders.Fuse()
     bos_id = vocab[tasks.BOS_TOKEN]
     core.post_processor = processors.TemplateProcessing(
-        single=f"{tasks.BOS_TOKEN} $A", pair=f"{tasks.BOS_TOKEN} $A $B", special_tokens=[(tasks.BOS_TOKEN, bos_id)]
+        single=f"{tasks.BOS_TOKEN} $A",
+        pair=f"{tasks.BOS_TOKEN} $A $B",
+        special_tokens=[(tasks.BOS_TOKEN, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=tasks.BOS_TOKEN,
         eos_token=tasks.EOS_TOKEN,
@@ -52,12 +61,22 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
         model_max_length=512,
     )
+    return tokenizer
+
+
+def save_tokenizer(tokenizer, out: Path) -> None:
+    """save_pretrained, declaring the generic fast class so that transformers 4.x and 5.x both load it."""
+    tokenizer.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def build_model(tokenizer, hidden_size: int, num_layers: int):
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tasks.VOCAB),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -70,7 +89,7 @@ def build_model(tokenizer, hidden_size: int, num_layers: int):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -85,12 +104,15 @@ def build_model(tokenizer, hidden_size: int, num_layers: int):
 
 
 def _noisy(answer: str, noise: float, rng: random.Random) -> str:
-    """Character ``i`` replaced by a random letter with probability ``noise * i / (i + 2)``.
+    """Each character after the first ``CLEAN_PREFIX`` replaced by a random letter with probability ``noise``.
 
-    Early characters stay almost always right, so the samples of a group share their first tokens
-    and branch later, as in real RL workloads.
+    The first characters stay right, so the samples of a group share their first answer tokens and
+    branch later, as in real RL workloads.
     """
-    return "".join(rng.choice(tasks.ALPHABET) if rng.random() < noise * i / (i + 2) else c for i, c in enumerate(answer))
+    return "".join(
+        rng.choice(tasks.ALPHABET) if i >= CLEAN_PREFIX and rng.random() < noise else c
+        for i, c in enumerate(answer)
+    )
 
 
 def _batches(task: str, seed: int, tokenizer, batch_size: int, group: int, noise: float):
@@ -138,6 +160,7 @@ def pretrain(model, tokenizer, args) -> None:
     noisy = _batches(args.task, args.seed + 1, tokenizer, args.batch_size, group=8, noise=args.noise)
     model.train()
     start = time.monotonic()
+    losses: list[float] = []
     for step in range(1, args.steps + 1):
         input_ids_BT, labels_BT = next(clean if step <= args.steps - args.noisy_steps else noisy)
         attention_mask_BT = input_ids_BT.ne(tokenizer.pad_token_id)
@@ -147,8 +170,13 @@ def pretrain(model, tokenizer, args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        losses.append(loss.item())
         if step % 50 == 0 or step == args.steps:
-            print(f"step {step:4d}/{args.steps}  loss {loss.item():.3f}  {time.monotonic() - start:5.0f}s", flush=True)
+            mean_loss = statistics.mean(losses[-50:])  # batches are length-sorted: single losses vary a lot
+            print(
+                f"step {step:4d}/{args.steps}  loss {mean_loss:.3f}  {time.monotonic() - start:5.0f}s",
+                flush=True,
+            )
     model.eval()
 
 
@@ -166,17 +194,23 @@ def sample_rewards(model, tokenizer, task: str, seed: int, num_prompts: int, gro
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         groups.append([tasks.score(prompt.text, t, prompt.metadata) for t in texts])
         for row in completions.tolist():
-            lengths.append(row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row))
+            lengths.append(
+                row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+            )
     return groups, lengths
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "examples" / "tiny")
     parser.add_argument("--task", default=tasks.DEFAULT_TASK, choices=tasks.TASK_NAMES)
-    parser.add_argument("--steps", type=int, default=400, help="supervised steps (few on purpose)")
-    parser.add_argument("--noisy-steps", type=int, default=100, help="the last steps train on noisy answers")
-    parser.add_argument("--noise", type=float, default=0.6, help="corruption rate in noisy steps (ramps up along the answer)")
+    parser.add_argument("--steps", type=int, default=500, help="supervised steps (few on purpose)")
+    parser.add_argument("--noisy-steps", type=int, default=150, help="the last steps train on noisy answers")
+    parser.add_argument(
+        "--noise", type=float, default=0.7, help="per-character corruption rate in noisy steps"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -194,12 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.hidden_size, args.num_layers)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"qwen2 hidden {args.hidden_size} x {args.num_layers} layers: {num_params / 1e6:.2f}M parameters")
+    print(f"llama hidden {args.hidden_size} x {args.num_layers} layers: {num_params / 1e6:.2f}M parameters")
     pretrain(model, tokenizer, args)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
+    save_tokenizer(tokenizer, args.out)
     size_mb = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1e6
     print(f"saved to {args.out} ({size_mb:.1f} MB)")
 
