@@ -51,7 +51,7 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
     top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64  # completion length limit per sample
+    max_new_tokens: int = 80  # completion length limit per sample
 
     def __post_init__(self):
         _check(self.group_size >= 1, "sampling.group_size", "must be >= 1")
@@ -87,7 +87,7 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 60  # optimizer steps of the run
+    steps: int = 150  # optimizer steps of the run
     groups_per_step: int = 8  # GRPO groups per optimizer step
     lr: float = 5e-4  # AdamW learning rate
     lr_schedule: str = "constant"  # constant | cosine | linear
@@ -102,7 +102,7 @@ class TrainConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
-    replay: str = "naive"  # naive (branch-replay modes arrive with issue 4)
+    replay: str = "naive"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     seed: int = 0  # torch / numpy / python seeds of the trainer
 
     def __post_init__(self):
@@ -113,7 +113,8 @@ class TrainConfig:
                f"{self.lr_schedule!r} is not one of constant, cosine, linear")
         _check(self.loss_agg in ("token_mean", "sample_mean"), "train.loss_agg",
                f"{self.loss_agg!r} is not one of token_mean, sample_mean")
-        _check(self.replay in ("naive",), "train.replay", f"{self.replay!r}: only 'naive' is implemented")
+        _check(self.replay in ("auto", "naive", "replay", "packed"), "train.replay",
+               f"{self.replay!r} is not one of auto, naive, replay, packed")
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
         _check(len(self.betas) == 2, "train.betas", "needs two values")
 
