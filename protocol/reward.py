@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
-from protocol.transport import Client, Peer, PeerEvent, Server, run
+from protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
 
 __all__ = ["RewardRouter", "RewardUnavailable", "ScoreFailed", "main", "run_server", "serve", "to_reply"]
 
@@ -163,7 +163,12 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
             failed.set_exception(task.exception())
 
     async def answer(req: ScoreRequest) -> None:
-        await client.send(await scorer.score(req))
+        reply = await scorer.score(req)
+        try:
+            await client.send(reply)
+        except ConnectionLost:
+            if client.shutdown_reason is None:  # a reply racing the trainer's Shutdown is not an error
+                raise
 
     try:
         welcome = await client.connect(connect_timeout_s)

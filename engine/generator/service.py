@@ -106,7 +106,7 @@ class GeneratorService:
         self.started_s = time.monotonic()
 
     async def run(self) -> str:
-        from protocol.transport import Client
+        from protocol.transport import Client, ConnectionLost
 
         caps = {"backend": "torch", "vocab_size": self.vocab_size, "max_model_len": self.backend.max_model_len}
         self.client = Client(self.address, role="generator", name=self.name,
@@ -120,6 +120,12 @@ class GeneratorService:
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             try:
                 await self.main_loop(recv)
+            except ConnectionLost:
+                # A send can race the trainer's Shutdown (the connection ends as it arrives): that is
+                # the normal end of a run, anything else is a real loss.
+                if self.client.shutdown_reason is None:
+                    raise
+                self.state.shutdown = self.client.shutdown_reason or "trainer shut down"
             finally:
                 for task in (recv, stats):
                     task.cancel()
