@@ -37,8 +37,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _insert(edges: list[_Edge], roots: dict[int, int], seq: np.ndarray) -> None:
-    """Radix insertion: split an edge only where two sequences diverge (a sample that ends inside an
-    edge, e.g. a prefix of another sample, leaves it whole)."""
+    """Radix insertion: split an edge only where two sequences diverge; a sample that ends inside an edge
+    (a prefix of another) leaves it whole, and one that continues past a leaf extends it."""
     siblings, parent, pos = roots, -1, 0
     while pos < seq.size:
         child = siblings.get(int(seq[pos]))
@@ -50,6 +50,9 @@ def _insert(edges: list[_Edge], roots: dict[int, int], seq: np.ndarray) -> None:
         match = _common_prefix(edge.tokens, seq[pos:])
         if match == seq.size - pos:
             return  # the rest of seq lies inside this edge
+        if match == edge.tokens.size and not edge.children:  # extend a leaf: runs stay maximal
+            edge.tokens = np.concatenate([edge.tokens, seq[pos + match:]])
+            return
         if match < edge.tokens.size:  # diverges inside the edge: split it at `match`
             tail = _Edge(edge.tokens[match:], child, edge.children)
             edges.append(tail)
@@ -171,7 +174,8 @@ def build_trie(samples: Sequence[TrainSample]) -> Trie:
     return Trie(**out, sample_path=paths, num_logical_tokens=sum(s.num_tokens for s in samples))
 
 
-def _path(seq: np.ndarray, roots: dict[int, int], children: list[dict[int, int]], seg_len: np.ndarray) -> list[int]:
+def _path(seq: np.ndarray, roots: dict[int, int], children: list[dict[int, int]],
+          seg_len: np.ndarray) -> list[int]:
     path, siblings, depth = [], roots, 0
     while depth < seq.size:
         seg = siblings[int(seq[depth])]

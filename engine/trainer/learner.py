@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from engine.samples import Group, TrainSample, flatten_samples
 from engine.trainer import dist
 from engine.trainer.loss import (
@@ -308,7 +309,7 @@ def _naive(config: LearnerConfig) -> ForwardBackward:
 
 
 # Strategy name -> factory from the learner config. Issue 4 adds "replay", "packed" and "auto".
-STRATEGIES: dict[str, Callable[[LearnerConfig], ForwardBackward]] = {"naive": _naive}
+STRATEGIES: dict[str, Callable[[LearnerConfig], ForwardBackward]] = {"naive": _naive, **REPLAY_STRATEGIES}
 
 
 # ---------------------------------------------------------------------------------------------- learner

@@ -1,0 +1,41 @@
+"""Branch-replay: exact shared-prefix training over the prefix trie of a step's samples (issue 4).
+
+    trie.py       the trie of token ids: segments, path depths, loss rows (branching tokens included)
+    forward.py    functional forward of the supported families: cached path prefix, tree mask
+    attention.py  exact attention over trie paths (CPU flash kernels, split-KV backward)
+    replay.py     `replay`: depth-first, each segment once, prefix gradients restored (the default mode)
+    packed.py     `packed`: whole tries as one sequence with a tree mask; `auto` picks one of the two
+    dpo.py        DPO over a chosen/rejected pair sharing its prompt
+
+STRATEGIES maps the learner's `replay` names to factories from a LearnerConfig; the modules are imported
+only when a strategy is built, so the learner can import this package without a cycle.
+Test: pytest tests/engine/test_trie.py tests/engine/test_replay.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _replay(config: Any):
+    from engine.replay.replay import ReplayForwardBackward
+
+    return ReplayForwardBackward(config.logprob_chunk_tokens, config.log_entropy,
+                                 max_batch_tokens=config.micro_batch_tokens)
+
+
+def _packed(config: Any):
+    from engine.replay.packed import PackedForwardBackward
+
+    return PackedForwardBackward(config.micro_batch_tokens, config.logprob_chunk_tokens, config.log_entropy)
+
+
+def _auto(config: Any):
+    from engine.replay.packed import AutoForwardBackward
+
+    return AutoForwardBackward(_replay(config), _packed(config))
+
+
+STRATEGIES: dict[str, Callable[[Any], Any]] = {"replay": _replay, "packed": _packed, "auto": _auto}
+"""Learner strategy name -> factory(LearnerConfig) -> ForwardBackward."""
