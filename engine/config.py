@@ -102,7 +102,7 @@ class TrainConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
-    replay: str = "naive"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
+    replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     seed: int = 0  # torch / numpy / python seeds of the trainer
 
     def __post_init__(self):

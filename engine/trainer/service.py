@@ -119,6 +119,7 @@ class TrainerService:
         self.scoring: set[asyncio.Task] = set()
         self.started_s = time.monotonic()
         self.train_busy_s = 0.0
+        self.token_totals = collections.Counter(counters.get("tokens", {}))  # branch-replay bookkeeping
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -201,6 +202,8 @@ class TrainerService:
         started = time.monotonic()
         metrics = await asyncio.to_thread(self.learner.step, groups)
         self.train_busy_s += time.monotonic() - started
+        for key in ("logical_tokens", "unique_tokens"):
+            self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
         self.controller.on_trained(batch, version)
         rewards = [s.reward for g in groups for s in g.samples]
         self.step_rewards.append(statistics.fmean(rewards))
@@ -407,6 +410,8 @@ class TrainerService:
         counters["trainer/queue/scoring"] = len(self.scoring)
         if self.step_rewards:
             counters["trainer/reward/last"] = self.step_rewards[-1]
+        if self.token_totals["unique_tokens"]:
+            counters["trainer/replay/saving"] = self.token_totals["logical_tokens"] / self.token_totals["unique_tokens"]
         return m.Stats(role="trainer", name="trainer", state=self.state, policy_version=self.learner.policy_version,
                        counters=counters, wall_s=time.time())
 
@@ -449,6 +454,9 @@ class TrainerService:
             "scored_by": dict(self.rewards.num_scored) if self.rewards else {},
             "generator_policy_versions": dict(self.generator_versions),
             "trainer_busy_s": self.train_busy_s,
+            "tokens": dict(self.token_totals),  # logical: sum over samples; unique: what ran forward
+            "replay_saving": (self.token_totals["logical_tokens"] / self.token_totals["unique_tokens"]
+                              if self.token_totals["unique_tokens"] else None),
             "generator_time_s": {name: {"busy_s": st.counters.get("generator/time/busy_s", 0.0),
                                         "wall_s": st.counters.get("generator/time/wall_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
