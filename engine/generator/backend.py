@@ -191,12 +191,13 @@ class TorchBackend:
         """Decode speculatively with `drafter` (a drafter.Drafter of this policy), at the depth k that
         depth_policy.choose(num_running) picks each step (0 = a plain step); depth_policy.update gets
         each step's emitted tokens and seconds. Finished rollouts leave traces for the spot trainer
-        (at most max_traces kept, default 4 x max_batch_size). Call before any request runs."""
+        (at most max_traces kept, default 4 x max_batch_size; 0 keeps none and skips capturing them).
+        Call before any request runs."""
         if self._seqs or self._kv.end:
             raise ValueError("enable_speculation must be called before the backend runs any request")
         if self._spec is not None:
             raise ValueError("speculation is already enabled; update the drafter with update_drafter()")
-        self._spec = SpeculativeDecoder(self, drafter, max_traces or 4 * self.max_batch_size)
+        self._spec = SpeculativeDecoder(self, drafter, 4 * self.max_batch_size if max_traces is None else max_traces)
         self._depth_policy = depth_policy
 
     @property
@@ -215,6 +216,12 @@ class TorchBackend:
             raise ValueError("update_drafter: speculation is not enabled")
         self._spec.drafter.load_state(state_dict, version)
         self._spec.drafter_changed()
+
+    def drafter_changed(self) -> None:
+        """The drafter's weights were changed in place (the spot trainer trains the same object): running
+        rows recompute their drafter keys/values at the next speculative step. Not needed while idle."""
+        if self._spec is not None:
+            self._spec.drafter_changed()
 
     def take_traces(self) -> list:
         """The speculative.Trace of every rollout finished since the last call (oldest dropped first
@@ -427,10 +434,9 @@ class TorchBackend:
     # ------------------------------------------------------------------ speculative decoding
 
     def _choose_depth(self, num_rows: int) -> int:
-        if self._spec is None:
-            return 0
-        k = self._depth_policy.choose(num_rows)
-        return max(0, min(k, self._spec.max_useful_k(num_rows))) if k > 0 else 0
+        # Not capped by the rows' remaining budgets: that would make a seeded row's tokens depend on
+        # the other rows of the batch (its uniforms per step depend on k); surplus drafts are cut.
+        return 0 if self._spec is None else self._depth_policy.choose(num_rows)
 
     def _speculative_step(self, k: int) -> list[Finished]:
         """One speculative step (speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
@@ -443,7 +449,8 @@ class TorchBackend:
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
         num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
-        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B)
+        num_emitted = int(num_emit_B.sum())
+        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B, num_emitted)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
         self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
@@ -451,11 +458,11 @@ class TorchBackend:
         self._out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
         num_gen_B += num_emit_B
         self._pos_R[rows] += num_emit_B
-        last_B = tokens_BN[arange_B, num_emit_B - 1]
-        self._pending_R[rows] = last_B
-        self.stats.num_generated_tokens += int(num_emit_B.sum())
+        last_B = num_emit_B - 1
+        self._pending_R[rows] = tokens_BN[arange_B, last_B]
+        self.stats.num_generated_tokens += num_emitted
         self._stamp_first_tokens()
-        hit_B = (self._stop_RS[rows] == last_B[:, None]).any(-1)
+        hit_B = stop_BN[arange_B, last_B]  # emission is cut at the first stop, so only the last can be one
         done_B = hit_B | (num_gen_B >= self._limit_R[rows])
         if not bool(done_B.any()):
             return []
@@ -473,9 +480,9 @@ class TorchBackend:
             completion = (self._out_tokens_RL[row, :length].cpu(), self._out_logprobs_RL[row, :length].cpu(),
                           self._out_versions_RL[row, :length].cpu())
             out.append(self._finished(self._seqs[row], completion, reason))
-            if self._spec is not None and reason != "cancelled":
+            if self._spec is not None and self._spec.traces.maxlen and reason != "cancelled":
                 prompt = torch.tensor(self._seqs[row].request.prompt_ids, dtype=torch.long, device=self.device)
-                self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])))
+                self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])), len(prompt))
         self._remove_rows(set(rows))
         return out
 

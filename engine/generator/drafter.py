@@ -40,9 +40,11 @@ class DrafterConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    max_positions: int = 4096  # rotary table size: the policy's max_position_embeddings plus drafting slack
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+                     "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"drafter.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -59,7 +61,8 @@ class DrafterConfig:
                    num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-                   rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6), rope_theta=float(theta))
+                   rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6), rope_theta=float(theta),
+                   max_positions=getattr(config, "max_position_embeddings", 4096) + 16)
 
 
 class _RMSNorm(nn.Module):
@@ -72,10 +75,12 @@ class _RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def _rotate(x_BhTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
-    half = x_BhTd.shape[-1] // 2
-    rotated = torch.cat((-x_BhTd[..., half:], x_BhTd[..., :half]), dim=-1)
-    return x_BhTd * cos_BTd[:, None] + rotated * sin_BTd[:, None]
+def _rotate(x_BhTd: torch.Tensor, turns_B1Tc: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on interleaved pairs (x[2i], x[2i+1]) as one complex multiply: fewer ops than
+    the rotate-half form, and the drafter's layout is its own."""
+    real = x_BhTd if x_BhTd.dtype == torch.float32 else x_BhTd.float()  # no-op dispatches cost too
+    out = torch.view_as_real(torch.view_as_complex(real.unflatten(-1, (-1, 2))) * turns_B1Tc).flatten(-2)
+    return out if out.dtype == x_BhTd.dtype else out.to(x_BhTd.dtype)
 
 
 class Drafter(nn.Module):
@@ -89,6 +94,10 @@ class Drafter(nn.Module):
             raise ValueError(f"drafter: the policy's embedding is {tuple(embed.weight.shape)}, the drafter "
                              f"expects ({c.vocab_size}, {c.hidden_size})")
         self._shared = (embed, lm_head)  # a tuple, so nn.Module does not register (or train, or save) them
+        # Detached aliases (same storage, so in-place policy weight updates show through): training the
+        # drafter must not touch, or accumulate gradients on, the policy.
+        bias = getattr(lm_head, "bias", None)
+        self._frozen = (embed.weight.detach(), lm_head.weight.detach(), None if bias is None else bias.detach())
         self.version = 0
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
@@ -99,8 +108,12 @@ class Drafter(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.out_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Rotary table [max_positions, head_dim / 2] of unit complex numbers: drafting calls the layer
+        # once per token, so every op saved per call counts on a CPU.
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        angles = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv_freq
+        # A plain attribute, not a buffer: Module.to(dtype) would cast it to real.
+        self._rope_turns = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
         self._init_weights()
 
     @classmethod
@@ -112,7 +125,8 @@ class Drafter(nn.Module):
             drafter = cls(config or DrafterConfig.from_policy(policy.config), policy.get_input_embeddings(),
                           policy.get_output_embeddings())
         weight = policy.get_input_embeddings().weight
-        return drafter.to(device=weight.device, dtype=weight.dtype)
+        drafter.to(device=weight.device, dtype=weight.dtype)
+        return drafter.requires_grad_(False)  # the spot trainer turns gradients on while it trains
 
     def _init_weights(self) -> None:
         for linear in (self.fc, self.qkv, self.o_proj, self.gate_up, self.down):
@@ -125,14 +139,11 @@ class Drafter(nn.Module):
             self.down.weight.mul_(0.1)
 
     def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        # Detached: training the drafter must not touch (or accumulate gradients on) the policy.
-        return F.embedding(ids_BT, self._shared[0].weight.detach())
+        return F.embedding(ids_BT, self._frozen[0])
 
     def logits(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         """Next-token logits from (predicted) hidden states, through the policy's own (frozen) LM head."""
-        head = self._shared[1]
-        bias = None if getattr(head, "bias", None) is None else head.bias.detach()
-        return F.linear(hidden_BTH, head.weight.detach(), bias)
+        return F.linear(hidden_BTH, self._frozen[1], self._frozen[2])
 
     def forward(self, ids_BT: torch.Tensor, features_BTH: torch.Tensor, positions_BT: torch.Tensor,
                 mask_B1TK: torch.Tensor, cache=None, layer_idx: int = 0) -> torch.Tensor:
@@ -141,22 +152,23 @@ class Drafter(nn.Module):
         keys/values are stored at `layer_idx` and the mask [B, 1, T, K] covers the visible columns;
         without it the mask is [B, 1, T, T] over these tokens alone (training on packed samples)."""
         c = self.config
-        x = self.fc(torch.cat((self.embed(ids_BT).to(features_BTH.dtype), features_BTH), dim=-1))
+        embedded = self.embed(ids_BT)
+        if embedded.dtype != features_BTH.dtype:
+            embedded = embedded.to(features_BTH.dtype)
+        x = self.fc(torch.cat((embedded, features_BTH), dim=-1))
         batch, num_new, _ = x.shape
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = self.qkv(self.input_norm(x)).split((q_dim, kv_dim, kv_dim), dim=-1)
-        q = q.view(batch, num_new, c.num_heads, c.head_dim).transpose(1, 2)
-        k = k.view(batch, num_new, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = v.view(batch, num_new, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        angles_BTd = positions_BT[..., None].to(self.inv_freq.dtype) * self.inv_freq
-        angles_BTd = torch.cat((angles_BTd, angles_BTd), dim=-1)
-        cos, sin = angles_BTd.cos().to(q.dtype), angles_BTd.sin().to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        num_qk = c.num_heads + c.num_kv_heads
+        qkv = self.qkv(self.input_norm(x)).view(batch, num_new, num_qk + c.num_kv_heads, c.head_dim)
+        qkv = qkv.transpose(1, 2)  # [B, heads of q, k and v, T, d]
+        if self._rope_turns.device != x.device:
+            self._rope_turns = self._rope_turns.to(x.device)
+        qk = _rotate(qkv[:, :num_qk], self._rope_turns[positions_BT][:, None])  # q and k in one go
+        q, k, v = qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, num_qk:]
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TK,
                                               enable_gqa=c.num_kv_heads != c.num_heads)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, num_new, q_dim))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, num_new, c.num_heads * c.head_dim))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)
         return self.out_norm(x)

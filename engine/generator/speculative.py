@@ -50,6 +50,7 @@ class Trace:
     tokens: torch.Tensor  # int64 [n]
     hidden: torch.Tensor  # [n - 1, H], the policy's dtype, CPU
     policy_version: int
+    num_prompt_tokens: int = 1  # drafts only ever predict tokens after the prompt
 
 
 @dataclass
@@ -68,6 +69,26 @@ class SpecStats:
         """Drafted tokens accepted per row and speculative step."""
         row_steps = sum(self.accept_len_hist)
         return self.num_accepted / row_steps if row_steps else 0.0
+
+    def counters(self) -> dict[str, float]:
+        """Telemetry (role/group/name keys): steps, drafted/accepted tokens, acceptance lengths."""
+        out = {"generator/spec/spec_steps": self.num_spec_steps, "generator/spec/plain_steps": self.num_plain_steps,
+               "generator/spec/drafted": self.num_drafted, "generator/spec/accepted": self.num_accepted,
+               "generator/spec/mean_accept_len": self.mean_accept_len,
+               "generator/spec/accept_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0}
+        out.update({f"generator/spec/accept_len_{a}": n for a, n in enumerate(self.accept_len_hist)})
+        return out
+
+
+def telemetry(backend, *sources) -> dict[str, float]:
+    """The speculation counters of a backend (with its drafter version) merged with each source's
+    stats() (the bandit's choices, the spot trainer's progress); empty without speculation."""
+    if backend.spec_stats is None:
+        return {}
+    out = {**backend.spec_stats.counters(), "generator/spec/drafter_version": backend.drafter.version}
+    for source in sources:
+        out.update(source.stats())
+    return out
 
 
 def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, drafts_BK: torch.Tensor,
@@ -89,19 +110,19 @@ def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, dr
     residual_BV = (p_at_BV - q_pad_BNV[rows_B, num_accepted_B]).clamp_min(0.0)
     # A rejection has positive residual mass in exact arithmetic; rounding alone can empty it.
     empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
-    final_B = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B)
-    tokens_BN = torch.cat((drafts_BK, torch.zeros_like(drafts_BK[:, :1])), dim=1)
-    tokens_BN[rows_B, num_accepted_B] = final_B
+    final_B1 = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B[:, None])
+    tokens_BN = torch.cat((drafts_BK, final_B1), dim=1)
+    tokens_BN.scatter_(1, num_accepted_B[:, None], final_B1)
     logprobs_BN = p_logprobs_BNV.gather(-1, tokens_BN[..., None]).squeeze(-1)
     return num_accepted_B, tokens_BN, logprobs_BN
 
 
-def sample_probs(weights_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw [B] from non-negative, unnormalised weights; zero-weight tokens never come out."""
+def sample_probs(weights_BV: torch.Tensor, uniforms_B1: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw [B, 1] from non-negative, unnormalised weights and uniforms [B, 1]; zero-weight
+    tokens never come out (rounding can put the target at the total: the last token with mass wins)."""
     cdf_BV = torch.cumsum(weights_BV, dim=-1)
-    target_B1 = uniforms_B[:, None] * cdf_BV[:, -1:]
-    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
-    return torch.minimum(tokens_B, cdf_BV.argmax(-1))
+    tokens_B1 = torch.searchsorted(cdf_BV, uniforms_B1 * cdf_BV[:, -1:], right=True)
+    return torch.minimum(tokens_B1, cdf_BV.argmax(-1, keepdim=True))
 
 
 def draw_uniforms_many(generators, num: int, device) -> torch.Tensor:
@@ -132,6 +153,7 @@ class SpeculativeDecoder:
         self.layer = kv.add_layer()
         hidden, dtype = drafter.config.hidden_size, backend._lm_head.weight.dtype
         self.ids_RC = kv.add_column_state(1, torch.long)[..., 0]  # a view: layout changes move it in place
+        self.pos_RC = kv.add_column_state(1, torch.long)[..., 0]  # the token's position (not its column)
         self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
         self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
         self.stale_back = 0  # columns end - stale_back .. end - 1 lack true-feature drafter keys/values
@@ -152,10 +174,11 @@ class SpeculativeDecoder:
         width = ids_bT.shape[1]
         start = kv.end - width
         self.ids_RC[rows, start:kv.end] = ids_bT
+        pad_b1 = torch.tensor([width - n for n in lengths], device=kv.device)[:, None]
+        self.pos_RC[rows, start:kv.end] = (torch.arange(width, device=kv.device) - pad_b1).clamp_min(0)
         shifted_bTH = torch.cat((torch.zeros_like(hidden_bTH[:, :1]), hidden_bTH[:, :-1]), dim=1)
         # The first token of each row has no predecessor: its feature is zero, not a padding column's.
-        first_col_b = torch.tensor([width - n for n in lengths], device=kv.device)
-        is_first_bT = torch.arange(width, device=kv.device)[None, :] == first_col_b[:, None]
+        is_first_bT = torch.arange(width, device=kv.device)[None, :] == pad_b1
         self.feats_RCH[rows, start:kv.end] = shifted_bTH.masked_fill(is_first_bT[..., None], 0.0)
         has_prefill_b1 = torch.tensor(lengths, device=kv.device)[:, None] > 0
         self.pending_feat_RH[rows] = torch.where(has_prefill_b1, hidden_bTH[:, -1], 0.0)
@@ -163,6 +186,7 @@ class SpeculativeDecoder:
 
     def before_plain_forward(self, num_rows: int, col: int) -> None:
         self.ids_RC[:num_rows, col] = self.backend._pending_R[:num_rows]
+        self.pos_RC[:num_rows, col] = self.backend._pos_R[:num_rows]
         self.feats_RCH[:num_rows, col] = self.pending_feat_RH[:num_rows]
 
     def after_plain_forward(self, num_rows: int, hidden_BH: torch.Tensor) -> None:
@@ -179,20 +203,15 @@ class SpeculativeDecoder:
         kv = self.backend._kv
         self.stale_back = kv.end - kv.lo
 
-    def capture(self, row: int, tokens: torch.Tensor) -> None:
+    def capture(self, row: int, tokens: torch.Tensor, num_prompt_tokens: int) -> None:
         """Keep the trace of a finished row (prompt + completion `tokens`) for the spot trainer."""
         kv = self.backend._kv
         cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
         hidden = torch.cat((self.feats_RCH[row, cols[1:]], self.pending_feat_RH[row, None]))
         assert hidden.shape[0] == tokens.numel() - 1, "trace: hidden states and tokens out of step"
-        self.traces.append(Trace(tokens.clone(), hidden.cpu(), self.backend.policy_version))
+        self.traces.append(Trace(tokens.cpu(), hidden.cpu(), self.backend.policy_version, num_prompt_tokens))
 
     # ------------------------------------------------------------------ the speculative step
-
-    def max_useful_k(self, num_rows: int) -> int:
-        """Drafting more tokens than any row may still emit, minus its one free token, is wasted."""
-        b = self.backend
-        return int((b._limit_R[:num_rows] - b._num_gen_R[:num_rows]).max()) - 1
 
     def step(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One speculative step of depth k for every running row. Returns (tokens [B, k+1], policy
@@ -229,32 +248,33 @@ class SpeculativeDecoder:
         the drafter's processed log-probs [B, k, V])."""
         b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
         end = kv.end
-        kv.valid_RC[rows, end] = True
+        # The pending column and the k - 1 draft columns the drafter itself writes; a forward at column
+        # c attends only up to c, so later ones being marked already changes nothing.
+        kv.valid_RC[rows, end:end + k] = True
         self.ids_RC[rows, end] = b._pending_R[rows]
+        self.pos_RC[rows, end] = b._pos_R[rows]
         self.feats_RCH[rows, end] = self.pending_feat_RH[rows]
         start = max(end - self.stale_back, kv.lo)
-        valid_bW = kv.valid_RC[rows, start:end + 1]
-        # A column's position counts the valid columns before it; the pending token's is pos_R.
-        after_bW = valid_bW.flip(-1).cumsum(-1).flip(-1) - 1
-        positions_bW = (b._pos_R[rows, None] - after_bW).clamp_min(0)
         kv.set_window(rows, start, kv.lo)
         mask = kv.attention_mask(rows, start, end + 1 - start, kv.lo)
-        hidden_BH = self.drafter(self.ids_RC[rows, start:end + 1], self.feats_RCH[rows, start:end + 1],
-                                 positions_bW, mask, cache=kv, layer_idx=self.layer)[:, -1]
+        window = slice(start, end + 1)
+        hidden_B1H = self.drafter(self.ids_RC[rows, window], self.feats_RCH[rows, window],
+                                  self.pos_RC[rows, window], mask, cache=kv, layer_idx=self.layer)[:, -1:]
         self.stale_back = 0
         drafts, q_logprobs = [], []
+        positions_BK = b._pos_R[rows, None] + torch.arange(k, device=b.device)
+        # One-token draft forwards: their masks are prefixes of this one (columns lo .. end + k - 1).
+        mask_B11K = kv.valid_RC[rows, kv.lo:end + k][:, None, None]
         for j in range(k):
             if j > 0:
                 col = end + j
-                kv.valid_RC[rows, col] = True
                 kv.set_window(rows, col, kv.lo)
-                mask = kv.attention_mask(rows, col, 1, kv.lo)
-                hidden_BH = self.drafter(drafts[-1][:, None], hidden_BH[:, None], (b._pos_R[rows] + j)[:, None],
-                                         mask, cache=kv, layer_idx=self.layer)[:, -1]
-            q_BV = processed_logprobs(self.drafter.logits(hidden_BH), batch)
-            drafts.append(sample_probs(q_BV.exp(), u_BK[:, j]))
+                hidden_B1H = self.drafter(drafts[-1], hidden_B1H, positions_BK[:, j:j + 1],
+                                          mask_B11K[..., :col + 1 - kv.lo], cache=kv, layer_idx=self.layer)
+            q_BV = processed_logprobs(self.drafter.logits(hidden_B1H[:, 0]), batch)
+            drafts.append(sample_probs(q_BV.exp(), u_BK[:, j:j + 1]))
             q_logprobs.append(q_BV)
-        return torch.stack(drafts, dim=1), torch.stack(q_logprobs, dim=1)
+        return torch.cat(drafts, dim=1), torch.stack(q_logprobs, dim=1)
 
     def _verify(self, num_rows: int, k: int, drafts_BK: torch.Tensor):
         """One policy forward over [pending, drafts]: hidden [B, k+1, H] and processed log-probs."""
@@ -271,7 +291,7 @@ class SpeculativeDecoder:
         return hidden_BNH, p_BNV
 
     def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, hidden_BNH: torch.Tensor,
-               num_accepted_B: torch.Tensor) -> None:
+               num_accepted_B: torch.Tensor, num_emitted: int) -> None:
         """Keep the fed columns of emitted tokens, drop the rest, advance the pending token."""
         b, kv = self.backend, self.backend._kv
         num_rows = tokens_BN.shape[0]
@@ -280,6 +300,7 @@ class SpeculativeDecoder:
         # The pending token and the first num_emit - 1 drafts stay; the last emitted token is pending.
         kv.valid_RC[rows, end:end + k + 1] = arange_N[None, :] < num_emit_B[:, None]
         self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]
+        self.pos_RC[rows, end + 1:end + k + 1] = b._pos_R[rows, None] + arange_N[1:]
         self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
         last_B = num_emit_B - 1
         self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
@@ -288,10 +309,10 @@ class SpeculativeDecoder:
         s = self.stats
         s.num_spec_steps += 1
         s.num_drafted += k * num_rows
-        s.num_accepted += int(num_accepted_B.sum())
-        s.num_emitted += int(num_emit_B.sum())
-        for a, count in enumerate(torch.bincount(num_accepted_B, minlength=k + 1).tolist()):
+        s.num_emitted += num_emitted
+        for a, count in enumerate(torch.bincount(num_accepted_B, minlength=k + 1).tolist()):  # one sync
             s.accept_len_hist[a] += count
+            s.num_accepted += a * count
 
 
 class FixedDepth:
