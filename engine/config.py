@@ -152,6 +152,8 @@ class TrainerConfig:
 class GeneratorConfig:
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
+    speculation: bool = False  # speculative decoding with a drafter trained while idle, depth by a bandit
+    drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
 
     def __post_init__(self):
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")

@@ -28,6 +28,7 @@ from protocol import messages as m
 log = logging.getLogger("tailrace.generator")
 
 EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
+DRAFTER_STEPS_PER_TURN = 64  # drafter training steps per idle turn (each yields to arriving work)
 
 
 class Action(enum.Enum):
@@ -36,6 +37,7 @@ class Action(enum.Enum):
     ADMIT = "admit"
     REQUEST_WORK = "request_work"
     DECODE = "decode"
+    TRAIN_DRAFTER = "train_drafter"
     WAIT = "wait"
 
 
@@ -54,6 +56,7 @@ class GenState:
     capacity: int = 0
     in_flight_update: bool = True
     cancel_groups: set = field(default_factory=set)  # applied by the main loop between decode steps
+    drafter_has_data: bool = False  # the spot trainer holds traces to train the drafter on
 
 
 def decide(s: GenState) -> Action:
@@ -69,6 +72,8 @@ def decide(s: GenState) -> Action:
         return Action.REQUEST_WORK
     if s.num_running or s.num_waiting:
         return Action.DECODE
+    if s.drafter_has_data:  # nothing to decode: spend the idle time on the drafter, preemptibly
+        return Action.TRAIN_DRAFTER
     return Action.WAIT
 
 
@@ -90,10 +95,20 @@ class GeneratorService:
         max_len = model.config.max_position_embeddings
         self.backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
                                     eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device)
+        self.spot = None
         if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
             from engine.modelled import ModelledBackend, load_costs
 
             self.backend = ModelledBackend(self.backend, load_costs(cfg.modelled.costs_file))
+        elif cfg.generator.speculation:
+            from engine.generator.bandit import SpecBandit
+            from engine.generator.drafter import load_or_create
+            from engine.generator.spot import SpotTrainer
+
+            drafter = load_or_create(cfg.generator.drafter_path or None, model)
+            self.bandit = SpecBandit()
+            self.backend.enable_speculation(drafter, self.bandit)
+            self.spot = SpotTrainer(drafter)
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
@@ -139,6 +154,7 @@ class GeneratorService:
             s.cancel_groups = set()
         s.num_running, s.num_waiting, s.capacity = b.num_running, b.num_waiting, b.capacity()
         s.policy_version = b.policy_version
+        s.drafter_has_data = self.spot is not None and self.spot.has_data()
 
     async def main_loop(self, recv: asyncio.Task) -> None:
         while True:
@@ -166,8 +182,18 @@ class GeneratorService:
             elif action is Action.DECODE:
                 self.status = "generating"
                 finished = await asyncio.to_thread(self.backend.step)
+                if self.spot is not None:
+                    self.spot.add_traces(self.backend.take_traces())
                 for done in finished:
                     await self.send_rollout(done)
+            elif action is Action.TRAIN_DRAFTER:
+                self.status = "drafter_training"
+                self.wakeup.clear()  # any message from the trainer stops training within one step
+                await asyncio.to_thread(self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
+                self.backend.drafter_changed()
+                if not self.wakeup.is_set():
+                    self.status = "idle"
+                    await self.wakeup.wait()
             else:
                 self.status = "idle"
                 self.wakeup.clear()
@@ -283,6 +309,10 @@ class GeneratorService:
             "generator/time/wall_s": elapsed,
             "generator/work/items_rejected": self.items_rejected,
         }
+        if self.spot is not None:
+            from engine.generator.speculative import telemetry
+
+            counters.update(telemetry(self.backend, self.bandit, self.spot))
         return m.Stats(role="generator", name=self.name, state=self.status,
                        policy_version=self.backend.policy_version, counters=counters, wall_s=time.time())
 

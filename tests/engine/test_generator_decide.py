@@ -50,3 +50,11 @@ def test_finish_running_first_mode():
 def test_no_request_beyond_capacity():
     s = state(capacity=4, pending_items=collections.deque([item(version=5, n=4)]), policy_version=0)
     assert decide(s) is Action.WAIT  # pending samples already fill the free capacity
+
+
+def test_idle_generator_trains_the_drafter_and_work_comes_first():
+    assert decide(state(request_outstanding=True, drafter_has_data=True)) is Action.TRAIN_DRAFTER
+    assert decide(state(request_outstanding=True, drafter_has_data=False)) is Action.WAIT
+    assert decide(state(num_running=1, request_outstanding=True, drafter_has_data=True)) is Action.DECODE
+    busy = state(drafter_has_data=True, pending_items=collections.deque([item()]))
+    assert decide(busy) is Action.ADMIT
