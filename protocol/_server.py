@@ -381,8 +381,10 @@ class Server(Endpoint):
         self._put((event, None))
 
     def _put(self, item: tuple) -> None:
-        self._inbox.append(item)
-        self._ready.set()
+        inbox = self._inbox
+        if not inbox:  # the owner waits only on an empty inbox: one Event.set per burst, not per message
+            self._ready.set()
+        inbox.append(item)
 
     def _grant(self, peer: Peer) -> None:
         if self._send_nowait(self._router, [peer.id, *codec.encode(Credit(credits=peer.consumed))]):

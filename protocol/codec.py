@@ -110,6 +110,7 @@ _torch: Any = None  # the torch module once a tensor has been seen; reward serve
 _frombuffer: Any = None
 _TORCH_DTYPE: dict[str, Any] = {}
 _TORCH_NAME: dict[Any, str] = {}
+_INLINE_1D: dict[str, tuple[int, Any]] = {}  # the decoder's fast path: every dtype but bool (0/1 check)
 
 
 def _import_torch() -> Any:
@@ -119,6 +120,7 @@ def _import_torch() -> Any:
 
         _TORCH_DTYPE.update({name: getattr(torch, name) for name in DTYPES})
         _TORCH_NAME.update({dtype: name for name, dtype in _TORCH_DTYPE.items()})
+        _INLINE_1D.update({name: (DTYPES[name], dtype) for name, dtype in _TORCH_DTYPE.items() if name != "bool"})
         _frombuffer = torch.frombuffer
         _torch = torch
     return _torch
@@ -182,17 +184,19 @@ class _Decoding:
         self.used: set[int] = set()
 
     def array(self, desc: Any, spec: ArraySpec) -> Any:
-        if _frombuffer is None:
+        if _frombuffer is None:  # here, not in __init__: messages without tensors never import torch
             _import_torch()
         # Fast path, the common case of small 1-d tensors inline: accepts a subset of what the full
         # path does (same dtype, rank, count and byte checks), and builds the same tensor.
         if type(desc) is list and len(desc) == 3 and spec.one_dim:
             name, shape, data = desc
             if type(data) is bytes and type(shape) is list and len(shape) == 1 and type(name) is str \
-                    and name in spec.dtypes and name != "bool":
+                    and name in spec.dtypes:
+                inline = _INLINE_1D.get(name)  # (bytes per element, torch dtype); bool is not here
                 count = shape[0]
-                if type(count) is int and 0 < count <= spec.max_count and len(data) == count * DTYPES[name]:
-                    return _frombuffer(bytearray(data), dtype=_TORCH_DTYPE[name])  # writable copy
+                if inline is not None and type(count) is int and 0 < count <= spec.max_count \
+                        and len(data) == count * inline[0]:
+                    return _frombuffer(bytearray(data), dtype=inline[1])  # writable copy
         name, shape, count, data = check_descriptor(desc, spec)
         return self._tensor(name, shape, count, data)
 
@@ -291,7 +295,7 @@ def _header_class(frame: Any) -> type:
 
 
 def _check_sizes(frames: Any, cls: type, limits: Limits) -> None:
-    sizes = [_nbytes(f) for f in frames]
+    sizes = [len(f) if type(f) is bytes else _nbytes(f) for f in frames]
     if max(sizes) <= limits.max_frame_bytes and sizes[1] <= limits.max_body_bytes \
             and sum(sizes) <= limits.max_message_bytes:
         return

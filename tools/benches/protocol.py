@@ -127,8 +127,7 @@ def _receive_raw(data, count: int, copy: bool) -> int:
 async def _receive_messages(server, name: str, count: int) -> int:
     received = 0
     while received < count:
-        item = server.recv_nowait()  # what has arrived, without a coroutine per message
-        peer, msg = item if item is not None else await server.recv()
+        peer, msg = await server.recv()  # one await per message, as the trainer's net_loop consumes
         if msg is None:  # the sender's "joined" event
             continue
         received += 1
