@@ -10,8 +10,6 @@ Run: pytest tests/kernels/test_logprobs.py [-m slow] [-m gpu]
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels.logprobs as logprobs_module
-from kernels._triton import HAS_TRITON, interpreting
+from kernels._triton import interpreting
 from kernels.logprobs import chunked_logprobs, logprobs_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,28 +154,16 @@ def test_forced_triton_on_cpu_says_why():
 # ------------------------------------------------------------------- triton kernels, CPU interpreter
 
 
-def run_interpreter_subprocess(marker: str, timeout_s: int) -> None:
-    """Re-run this module's `under_interpreter` tests in a fresh process with TRITON_INTERPRET=1."""
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{SUBPROCESS_FLAG: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--strict-markers", "-m", marker, "-k", "under_interpreter"]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-
-
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the subprocess")
-def test_triton_kernels_in_interpreter_subprocess():
-    run_interpreter_subprocess("not slow and not gpu", timeout_s=240)
+def test_triton_kernels_in_interpreter_subprocess(run_interpreter):
+    run_interpreter(__file__, "not slow and not gpu", timeout_s=240)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the subprocess")
-def test_triton_kernels_in_interpreter_subprocess_slow():
-    run_interpreter_subprocess("slow and not gpu", timeout_s=1700)
+def test_triton_kernels_in_interpreter_subprocess_slow(run_interpreter):
+    run_interpreter(__file__, "slow and not gpu", timeout_s=1700)
 
 
 def check_triton_against_float64_reference(inputs, chunk_size, with_entropy, tol):
