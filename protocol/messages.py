@@ -275,7 +275,9 @@ class ScoreError:
 @dataclass(frozen=True, kw_only=True)
 class WeightsNotice:
     """Version `version` of `model` ("policy" or "drafter") can be fetched in `num_chunks` chunks.
-    Published on the notice socket and sent directly to generators.
+    Published on the notice socket and sent directly to generators. A generator also sends it to the
+    trainer for a drafter it trained (model "drafter"); the trainer then fetches that version from it and
+    republishes it to every generator as drafter version max(served + 1, version) (see Drafter sharing).
 
     Example: WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184)
     """
@@ -291,7 +293,8 @@ class WeightsNotice:
 @dataclass(frozen=True, kw_only=True)
 class WeightsFetch:
     """Ask for one chunk of a weights version. Answered by WeightsChunk, or Error when the version is
-    no longer served (fetch the newer one announced instead).
+    no longer served (fetch the newer one announced instead). Generators send it to the trainer; the
+    trainer sends it (model "drafter") to the generator that announced a drafter.
 
     Example: WeightsFetch(model="policy", version=5, chunk_index=0)
     """

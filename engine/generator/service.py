@@ -6,6 +6,10 @@ finished sample at once, and takes new weights between decode steps.
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
                 request work > decode one step (in a worker thread) > wait for the recv loop
     stats loop  sends Stats every trainer stats interval
+Drafter sharing (with speculation): every DRAFTER_PUBLISH_STEPS spot-training steps the drafter is
+exported into a small local WeightsStore and announced to the trainer (WeightsNotice "drafter"), which
+fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
+drafter announced by the trainer is fetched like policy weights and adopted between steps.
 
 `decide` is pure and tested on CPU with fakes (tests/engine/test_generator_decide.py).
 """
@@ -22,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import RunConfig
-from engine.weights import WeightsAssembler
+from engine.weights import WeightsAssembler, WeightsStore
 from protocol import messages as m
 
 log = logging.getLogger("tailrace.generator")
 
 EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
 DRAFTER_STEPS_PER_TURN = 64  # drafter training steps per idle turn (each yields to arriving work)
+DRAFTER_PUBLISH_STEPS = 200  # spot-training steps between announcing our drafter to the trainer
 
 
 class Action(enum.Enum):
@@ -83,6 +88,7 @@ class GeneratorService:
 
         from engine import models
         from engine.generator.backend import TorchBackend
+        from engine.generator.tree import TreeSampling
 
         self.cfg = cfg
         self.address = address
@@ -93,8 +99,11 @@ class GeneratorService:
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         max_len = model.config.max_position_embeddings
+        fork_depths = cfg.generator.fork_depths
+        tree = TreeSampling(fork_depths=fork_depths, branching=cfg.generator.tree_branching) if fork_depths else None
         self.backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
-                                    eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device)
+                                    eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device,
+                                    tree=tree)
         self.spot = None
         if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
             from engine.modelled import ModelledBackend, load_costs
@@ -112,6 +121,12 @@ class GeneratorService:
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
+        # Drafter sharing, only with speculation: what we serve to the trainer, what we fetch from it.
+        self.drafter_store = WeightsStore(cfg.trainer.weights_chunk_bytes) if self.spot is not None else None
+        self.drafter_assembler: WeightsAssembler | None = None
+        self.ready_drafter: tuple[int, dict] | None = None  # (version, state dict) fully fetched
+        self.drafter_published_steps = 0  # spot.num_steps when we last announced our drafter
+        self.drafters_rejected = 0
         self.wakeup = asyncio.Event()
         self.client: Any = None
         self.status = "starting"
@@ -161,6 +176,8 @@ class GeneratorService:
             if recv.done():
                 recv.result()  # surface a dead connection or a bug in the recv loop
             self.refresh()
+            if self.ready_drafter is not None:  # between steps: small, and never blocks rollouts
+                self.adopt_drafter()
             action = decide(self.state)
             if action is Action.SHUTDOWN:
                 self.status = "stopping"
@@ -191,6 +208,7 @@ class GeneratorService:
                 self.wakeup.clear()  # any message from the trainer stops training within one step
                 await asyncio.to_thread(self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
                 self.backend.drafter_changed()
+                await self.maybe_publish_drafter()
                 if not self.wakeup.is_set():
                     self.status = "idle"
                     await self.wakeup.wait()
@@ -254,17 +272,23 @@ class GeneratorService:
                     i for i in self.state.pending_items if i.group_id not in groups)
                 self.state.cancel_groups |= groups  # the backend may be mid-step in its thread
             elif isinstance(msg, m.WeightsNotice):
-                await self.on_notice(msg)
+                await (self.on_drafter_notice(msg) if msg.model == "drafter" else self.on_notice(msg))
             elif isinstance(msg, m.WeightsChunk):
-                await self.on_chunk(msg)
+                await (self.on_drafter_chunk(msg) if msg.model == "drafter" else self.on_chunk(msg))
+            elif isinstance(msg, m.WeightsFetch):
+                await self.client.send(self.serve_drafter(msg))
             elif isinstance(msg, m.Shutdown):
                 self.state.shutdown = msg.reason or "trainer shut down"
                 self.wakeup.set()
                 return  # the connection is over; the next recv() would raise ConnectionLost
             elif isinstance(msg, m.Error):
                 log.warning("trainer reported error %d: %s", msg.code, msg.text)
-                if msg.ref_kind == m.WeightsFetch.KIND:
-                    self.assembler = None  # that version is gone; a newer notice follows
+                if msg.ref_kind == m.WeightsFetch.KIND:  # that version is gone; a newer notice follows
+                    # The trainer's fetch errors name the model first ("drafter version 3 chunk 0 ...").
+                    if msg.text.startswith("drafter"):
+                        self.drafter_assembler = None
+                    else:
+                        self.assembler = None
             self.wakeup.set()
 
     def retry_work(self) -> None:
@@ -292,6 +316,65 @@ class GeneratorService:
         self.state.ready_weights = (chunk.version, tensors)
         self.assembler = None
 
+    # ------------------------------------------------------------------------------------ drafter sharing
+
+    async def maybe_publish_drafter(self) -> None:
+        if self.spot.num_steps - self.drafter_published_steps < DRAFTER_PUBLISH_STEPS:
+            return
+        self.drafter_published_steps = self.spot.num_steps
+        version, state = self.spot.export()
+        await self.client.send(self.drafter_store.publish("drafter", version, state))
+
+    def serve_drafter(self, fetch: m.WeightsFetch) -> m.WeightsChunk | m.Error:
+        """The trainer fetches a drafter we announced; Error when that version is no longer kept."""
+        chunk = None
+        if fetch.model == "drafter" and self.drafter_store is not None:
+            chunk = self.drafter_store.chunk("drafter", fetch.version, fetch.chunk_index)
+        if chunk is None:
+            return m.Error(code=m.ErrorCode.UNSUPPORTED, ref_kind=m.WeightsFetch.KIND,
+                           text=f"{fetch.model} version {fetch.version} chunk {fetch.chunk_index} is not served here")
+        return chunk
+
+    async def on_drafter_notice(self, notice: m.WeightsNotice) -> None:
+        if self.spot is None or notice.version <= self.spot.drafter.version or notice.num_chunks == 0:
+            return  # without speculation there is no drafter to update
+        if self.drafter_assembler is not None and self.drafter_assembler.notice.version >= notice.version:
+            return
+        self.drafter_assembler = WeightsAssembler(notice)
+        await self.client.send(m.WeightsFetch(model="drafter", version=notice.version, chunk_index=0))
+
+    async def on_drafter_chunk(self, chunk: m.WeightsChunk) -> None:
+        if self.drafter_assembler is None or chunk.version != self.drafter_assembler.notice.version:
+            return  # a chunk of a version we gave up on
+        try:
+            tensors = self.drafter_assembler.add(chunk)
+        except ValueError as exc:
+            self.reject_drafter(chunk.version, exc)
+            return
+        if tensors is None:
+            await self.client.send(m.WeightsFetch(model="drafter", version=chunk.version,
+                                                  chunk_index=self.drafter_assembler.next_index()))
+            return
+        self.ready_drafter = (chunk.version, tensors)
+        self.drafter_assembler = None
+
+    def adopt_drafter(self) -> None:
+        version, tensors = self.ready_drafter
+        self.ready_drafter = None
+        try:
+            adopted = self.spot.load_shared(tensors, version)  # validates every name and shape first
+        except ValueError as exc:
+            self.reject_drafter(version, exc)
+            return
+        if adopted:
+            self.backend.drafter_changed()  # the spot trainer's drafter is the backend's, changed in place
+            log.info("%s adopted shared drafter v%d", self.name, version)
+
+    def reject_drafter(self, version: int, exc: ValueError) -> None:
+        self.drafter_assembler = None
+        self.drafters_rejected += 1
+        log.error("shared drafter v%d rejected: %s", version, exc)
+
     # ------------------------------------------------------------------------------------ telemetry
 
     def stats(self) -> m.Stats:
@@ -313,6 +396,7 @@ class GeneratorService:
             from engine.generator.speculative import telemetry
 
             counters.update(telemetry(self.backend, self.bandit, self.spot))
+            counters["generator/drafter/shared_rejected"] = self.drafters_rejected
         return m.Stats(role="generator", name=self.name, state=self.status,
                        policy_version=self.backend.policy_version, counters=counters, wall_s=time.time())
 

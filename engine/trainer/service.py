@@ -6,6 +6,9 @@
                 worker thread (the event loop keeps serving meanwhile), then publishes version V+1
                 (WeightsNotice to generators and on the notice socket) and serves parked requests
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
+Drafter sharing (net loop): a generator's WeightsNotice(model="drafter") newer than the served drafter
+starts one fetch from that generator (WeightsFetch -> its WeightsChunks); the assembled drafter is
+republished as drafter version max(served + 1, announced) to every generator and on the notice socket.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
 protocol (engine/trainer/dist.py). Test: pytest tests/engine/test_end_to_end.py
@@ -36,10 +39,13 @@ from engine.trainer.controller import Controller, GroupState, PromptRecord
 from engine.trainer.learner import Learner, LearnerConfig
 from engine.trainer.loss import LossConfig
 from engine.trainer.rewards import RewardDispatcher, ScoringFailed
-from engine.weights import WeightsStore
+from engine.weights import WeightsAssembler, WeightsStore
 from protocol import messages as m
 
 log = logging.getLogger("tailrace.trainer")
+
+DRAFTER_FILE = "drafter.safetensors"  # in a checkpoint folder: the last drafter the trainer served
+DRAFTER_FETCH_TIMEOUT_S = 60.0  # a drafter fetch older than this gives way to the next announcement
 
 
 def learner_config(cfg: RunConfig) -> LearnerConfig:
@@ -104,6 +110,9 @@ class TrainerService:
         self.step_rewards: list[float] = counters.get("step_rewards", [])
         self.wall_s_before = counters.get("wall_s", 0.0)
         self.store = WeightsStore(cfg.trainer.weights_chunk_bytes)
+        self.drafter_fetch: tuple[bytes, WeightsAssembler] | None = None  # (source peer id, its chunks so far)
+        self.drafter_fetch_started_s = 0.0  # time.monotonic()
+        self.drafter_state: dict[str, torch.Tensor] | None = None  # the served drafter, for checkpoints
         self.sink = make_sink(self.run_dir)
         self.counters: collections.Counter[str] = collections.Counter()
         self.state = "starting"
@@ -137,6 +146,7 @@ class TrainerService:
                              heartbeat_interval_s=cfg.heartbeat_interval_s,
                              missed_heartbeats=cfg.missed_heartbeats, accept=self.accept,
                              policy_version=lambda: self.learner.policy_version,
+                             drafter_version=self.drafter_version,
                              curve_secret_key=_read_key(cfg.curve_secret_key_file))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -258,11 +268,14 @@ class TrainerService:
         if event == "joined":
             await self.server.publish(self.event("peer_joined", f"{peer.role} {peer.name} joined",
                                                  peer=peer.name, role=peer.role))
-            latest = self.store.latest("policy")
-            if peer.role == "generator" and latest is not None and latest.version > 0:
-                await self.server.send(peer.id, latest)
+            for model in ("policy", "drafter"):
+                latest = self.store.latest(model)
+                if peer.role == "generator" and latest is not None and latest.version > 0:
+                    await self.server.send(peer.id, latest)
             return
         self.parked.pop(peer.id, None)
+        if self.drafter_fetch is not None and self.drafter_fetch[0] == peer.id:
+            self.drafter_fetch = None  # its drafter left with it; the next announcement starts over
         self.peer_stats.pop(peer.name, None)
         if peer.role == "generator":
             requeued = self.controller.on_generator_dead(peer.name)
@@ -371,6 +384,63 @@ class TrainerService:
                                           f"served; latest is {latest.version if latest else 'none'}")
         await self.server.send(peer.id, chunk)
 
+    # ------------------------------------------------------------------------------------ drafter relay
+
+    def drafter_version(self) -> int:
+        latest = self.store.latest("drafter")
+        return latest.version if latest is not None else 0
+
+    async def on_weights_notice(self, peer: Any, msg: m.WeightsNotice) -> None:
+        """A generator announces a drafter it trained: fetch it from that generator if it is newer than the
+        served one and no other fetch is under way (one at a time; announcements meanwhile are skipped, and
+        the generators announce again after more training, unless the fetch has stalled past its timeout)."""
+        if peer.role != "generator" or msg.model != "drafter":
+            return await self.reply_error(peer, msg, m.ErrorCode.UNAUTHORIZED, "only generators announce drafters")
+        busy = self.drafter_fetch is not None and \
+            time.monotonic() - self.drafter_fetch_started_s < DRAFTER_FETCH_TIMEOUT_S
+        if msg.version <= self.drafter_version() or busy or msg.num_chunks == 0:
+            self.counters["trainer/drafter/announcements_skipped"] += 1
+            return
+        self.drafter_fetch = (peer.id, WeightsAssembler(msg))
+        self.drafter_fetch_started_s = time.monotonic()
+        await self.server.send(peer.id, m.WeightsFetch(model="drafter", version=msg.version, chunk_index=0))
+
+    async def on_weights_chunk(self, peer: Any, msg: m.WeightsChunk) -> None:
+        fetch = self.drafter_fetch
+        if fetch is None or fetch[0] != peer.id or msg.model != "drafter" or msg.version != fetch[1].notice.version:
+            self.counters["trainer/drafter/chunks_unexpected"] += 1
+            return
+        assembler = fetch[1]
+        try:
+            tensors = assembler.add(msg)
+            if tensors is not None:
+                check_drafter_layout(tensors, self.drafter_state)
+        except ValueError as exc:
+            self.drafter_fetch = None
+            self.counters["trainer/drafter/rejected"] += 1
+            log.error("drafter v%d from %s rejected: %s", msg.version, peer.name, exc)
+            return
+        if tensors is None:
+            await self.server.send(peer.id, m.WeightsFetch(model="drafter", version=msg.version,
+                                                           chunk_index=assembler.next_index()))
+            return
+        self.drafter_fetch = None
+        await self.publish_drafter(max(self.drafter_version() + 1, msg.version), tensors, source=peer.name)
+
+    async def publish_drafter(self, version: int, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        notice = self.store.publish("drafter", version, tensors)
+        self.drafter_state = tensors
+        self.counters["trainer/drafter/published"] += 1
+        log.info("drafter v%d from %s republished to the generators", version, source)
+        for peer in list(self.server.peers.values()):
+            if peer.role == "generator":
+                await self.server.send(peer.id, notice)
+        await self.server.publish(notice)
+
+    async def on_peer_error(self, peer: Any, msg: m.Error) -> None:
+        if msg.ref_kind == m.WeightsFetch.KIND and self.drafter_fetch is not None and self.drafter_fetch[0] == peer.id:
+            self.drafter_fetch = None  # the generator no longer serves that version; a newer notice follows
+
     async def on_stats(self, peer: Any, msg: m.Stats) -> None:
         self.peer_stats[peer.name] = msg
         if msg.role == "generator":
@@ -381,9 +451,6 @@ class TrainerService:
     async def on_event(self, peer: Any, msg: m.Event) -> None:
         await self.server.publish(msg)
 
-    async def on_ignore(self, peer: Any, msg: Any) -> None:
-        pass
-
     async def reply_error(self, peer: Any, msg: Any, code: int, text: str) -> None:
         await self.server.send(peer.id, m.Error(code=code, text=text, ref_kind=msg.KIND))
 
@@ -391,9 +458,11 @@ class TrainerService:
         m.WorkRequest: on_work_request,
         m.Rollout: on_rollout,
         m.WeightsFetch: on_weights_fetch,
+        m.WeightsNotice: on_weights_notice,
+        m.WeightsChunk: on_weights_chunk,
         m.Stats: on_stats,
         m.Event: on_event,
-        m.Error: on_ignore,  # a peer's complaint; counted by the transport
+        m.Error: on_peer_error,  # a peer's complaint; counted by the transport
     }
 
     # ------------------------------------------------------------------------------------ telemetry
@@ -433,9 +502,15 @@ class TrainerService:
 
     def save_checkpoint(self) -> Path:
         self.state = "checkpointing"
-        return checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position={
+        folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position={
             "prompts_consumed": self.source.position, "groups_admitted": self.controller.groups_admitted,
         }, counters=self.summary(), tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
+        if self.drafter_state is not None and folder.is_dir():  # rank 0 alone relays drafters
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in self.drafter_state.items()}, str(folder / DRAFTER_FILE),
+                      metadata={"version": str(self.drafter_version())})
+        return folder
 
     def summary(self) -> dict[str, Any]:
         c = self.controller
@@ -471,6 +546,20 @@ class TrainerService:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
         return summary
+
+
+def check_drafter_layout(tensors: dict[str, Any], served: dict[str, Any] | None) -> None:
+    """ValueError unless `tensors` has the served drafter's names and shapes (any layout is taken first:
+    the trainer holds no drafter of its own; generators validate again in Drafter.load_state)."""
+    if served is None:
+        return
+    if set(tensors) != set(served):
+        missing, extra = sorted(set(served) - set(tensors)), sorted(set(tensors) - set(served))
+        raise ValueError(f"drafter state: missing {missing}, unexpected {extra}")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(served[name].shape):
+            raise ValueError(f"drafter state: {name} has shape {tuple(value.shape)}, expected "
+                             f"{tuple(served[name].shape)}")
 
 
 def _to_group(state: GroupState) -> Group:

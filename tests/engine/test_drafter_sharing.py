@@ -1,0 +1,215 @@
+"""Drafter sharing, generator -> trainer -> generators (protocol/SPEC.md, "Drafter sharing"): the trainer
+in-process fetches an announced drafter from a fake generator and republishes it to another, which
+fetches the same tensors; bad uploads are rejected and counted; the generator's side (announce, serve,
+fetch, adopt between steps) runs on a bare GeneratorService with fakes.
+
+Run: pytest tests/engine/test_drafter_sharing.py
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from engine.config import load_config
+from engine.generator import service as gen_service
+from engine.generator.drafter import Drafter
+from engine.generator.service import GeneratorService
+from engine.generator.spot import SpotTrainer
+from engine.trainer.service import DRAFTER_FILE, TrainerService
+from engine.weights import WeightsAssembler, WeightsStore
+from protocol import messages as m
+from protocol.transport import Client
+
+
+def make_service(tmp_path):
+    cfg = load_config(None, ["--train.steps", "1", "--train.groups_per_step", "1", "--sampling.group_size", "4",
+                             "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
+                             "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "drafters",
+                             "--trainer.heartbeat_interval_s", "0.2"])
+    return TrainerService(cfg)
+
+
+async def wait_bound(service):
+    while service.server is None or not service.server.address.rpartition(":")[2].isdigit():
+        await asyncio.sleep(0.02)
+    return service.server.address
+
+
+def drafter_state(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"proj.weight": torch.full((4, 8), scale), "norm.weight": torch.full((4,), -scale)}
+
+
+async def recv_kind(client, kind, timeout_s: float = 10.0):
+    while True:
+        msg = await asyncio.wait_for(client.recv(), timeout_s)
+        if isinstance(msg, kind):
+            return msg
+
+
+async def serve_upload(gen, store: WeightsStore, version: int) -> None:
+    """Announce `version` of the drafter in `store` and answer the trainer's fetches until none remain."""
+    notice = store.latest("drafter")
+    assert notice.version == version
+    await gen.send(notice)
+    for _ in range(notice.num_chunks):
+        fetch = await recv_kind(gen, m.WeightsFetch)
+        assert (fetch.model, fetch.version) == ("drafter", version)
+        await gen.send(store.chunk("drafter", fetch.version, fetch.chunk_index))
+
+
+async def fetch_all(gen, notice: m.WeightsNotice) -> dict[str, torch.Tensor]:
+    assembler = WeightsAssembler(notice)
+    index = 0
+    while index is not None:
+        await gen.send(m.WeightsFetch(model="drafter", version=notice.version, chunk_index=index))
+        tensors = assembler.add(await recv_kind(gen, m.WeightsChunk))
+        index = assembler.next_index()
+    return tensors
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.mark.timeout(120)
+async def test_trainer_relays_a_generator_drafter_to_the_others(tmp_path):
+    service = make_service(tmp_path)
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    caps = {"vocab_size": service.vocab_size}
+    try:
+        async with Client(address, role="generator", name="a", max_inflight=8, capabilities=caps) as a, \
+                Client(address, role="generator", name="b", max_inflight=8, capabilities=caps) as b:
+            await asyncio.wait_for(a.connect(), 10)
+            welcome_b = await asyncio.wait_for(b.connect(), 10)
+            assert welcome_b.drafter_version == 0
+            store = WeightsStore(chunk_bytes=64)  # several chunks
+            store.publish("drafter", 3, drafter_state(1.0))
+            await serve_upload(a, store, 3)
+            notice = await recv_kind(b, m.WeightsNotice)
+            assert (notice.model, notice.version, notice.num_tensors) == ("drafter", 3, 2)
+            assert (await recv_kind(a, m.WeightsNotice)).version == 3  # the uploader hears it too
+            got = await fetch_all(b, notice)
+            assert all(torch.equal(got[k], v) for k, v in drafter_state(1.0).items())
+            assert service.server.drafter_version == 3
+
+            # Not newer than the served version: not fetched.
+            store.publish("drafter", 2, drafter_state(9.0))
+            await a.send(store.latest("drafter"))
+            await wait_for(lambda: service.counters["trainer/drafter/announcements_skipped"] == 1)
+
+            # Wrong shapes: rejected and counted, the served drafter stays.
+            bad = WeightsStore()
+            bad.publish("drafter", 7, {"proj.weight": torch.zeros(5, 8), "norm.weight": torch.zeros(4)})
+            await serve_upload(a, bad, 7)
+            await wait_for(lambda: service.counters["trainer/drafter/rejected"] == 1)
+            assert service.server.drafter_version == 3
+
+            # A generator that joins later learns of the served drafter at once.
+            async with Client(address, role="generator", name="c", max_inflight=8, capabilities=caps) as c:
+                welcome_c = await asyncio.wait_for(c.connect(), 10)
+                assert welcome_c.drafter_version == 3
+                assert (await recv_kind(c, m.WeightsNotice)).version == 3
+
+            # A newer upload replaces the served drafter; the checkpoint keeps the latest.
+            store.publish("drafter", 5, drafter_state(2.0))
+            await serve_upload(a, store, 5)
+            assert (await recv_kind(b, m.WeightsNotice)).version == 5
+
+            folder = service.save_checkpoint()
+            saved = load_file(str(folder / DRAFTER_FILE))
+            assert torch.equal(saved["proj.weight"], drafter_state(2.0)["proj.weight"])
+    finally:
+        service.request_stop("test over")
+        await asyncio.wait_for(run, 60)
+
+
+# ---------------------------------------------------------------------------------------- generator side
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+class FakeClient:
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, msg):
+        self.sent.append(msg)
+
+
+def bare_generator(policy, *, speculation: bool = True) -> GeneratorService:
+    gen = object.__new__(GeneratorService)
+    gen.name = "gen-test"
+    gen.spot = SpotTrainer(Drafter.for_policy(policy, seed=1)) if speculation else None
+    gen.drafter_store = WeightsStore(chunk_bytes=4096) if speculation else None
+    gen.drafter_assembler = None
+    gen.ready_drafter = None
+    gen.drafter_published_steps = 0
+    gen.drafters_rejected = 0
+    gen.client = FakeClient()
+    gen.backend = SimpleNamespace(num_changed=0)
+    gen.backend.drafter_changed = lambda: setattr(gen.backend, "num_changed", gen.backend.num_changed + 1)
+    return gen
+
+
+async def test_generator_announces_and_serves_its_drafter(policy):
+    gen = bare_generator(policy)
+    await gen.maybe_publish_drafter()
+    assert gen.client.sent == []  # not enough training yet
+    gen.spot.num_steps = gen_service.DRAFTER_PUBLISH_STEPS
+    await gen.maybe_publish_drafter()
+    notice = gen.client.sent[-1]
+    assert isinstance(notice, m.WeightsNotice) and (notice.model, notice.version) == ("drafter", 1)
+    assembler = WeightsAssembler(notice)
+    for i in range(notice.num_chunks):
+        assembler.add(gen.serve_drafter(m.WeightsFetch(model="drafter", version=1, chunk_index=i)))
+    assert assembler.next_index() is None and set(assembler.tensors) == set(gen.spot.drafter.state_dict())
+    gone = gen.serve_drafter(m.WeightsFetch(model="drafter", version=9, chunk_index=0))
+    assert isinstance(gone, m.Error) and gone.text.startswith("drafter")
+
+
+async def test_generator_fetches_and_adopts_a_newer_drafter_between_steps(policy):
+    gen = bare_generator(policy)
+    trainer_store = WeightsStore(chunk_bytes=4096)
+    donor = Drafter.for_policy(policy, seed=2)
+    notice = trainer_store.publish("drafter", 4, donor.export_state())
+    await gen.on_drafter_notice(notice)
+    while gen.ready_drafter is None:
+        fetch = gen.client.sent[-1]
+        assert isinstance(fetch, m.WeightsFetch) and fetch.model == "drafter"
+        await gen.on_drafter_chunk(trainer_store.chunk("drafter", fetch.version, fetch.chunk_index))
+    gen.adopt_drafter()
+    assert gen.spot.drafter.version == 4 and gen.backend.num_changed == 1
+    assert all(torch.equal(v, donor.state_dict()[k]) for k, v in gen.spot.drafter.state_dict().items())
+    num_sent = len(gen.client.sent)
+    await gen.on_drafter_notice(notice)  # not newer than ours: ignored
+    assert len(gen.client.sent) == num_sent
+
+    # Names that do not match this drafter: rejected and counted, the drafter untouched.
+    bad = trainer_store.publish("drafter", 6, {"proj.weight": torch.zeros(3, 3)})
+    await gen.on_drafter_notice(bad)
+    await gen.on_drafter_chunk(trainer_store.chunk("drafter", 6, 0))
+    gen.adopt_drafter()
+    assert gen.drafters_rejected == 1 and gen.spot.drafter.version == 4 and gen.backend.num_changed == 1
+
+
+async def test_generator_without_speculation_ignores_drafter_notices(policy):
+    gen = bare_generator(policy, speculation=False)
+    await gen.on_drafter_notice(m.WeightsNotice(model="drafter", version=3, num_chunks=1, num_tensors=1,
+                                                total_bytes=4))
+    assert gen.client.sent == []
+    assert isinstance(gen.serve_drafter(m.WeightsFetch(model="drafter", version=3, chunk_index=0)), m.Error)
