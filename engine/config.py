@@ -154,9 +154,24 @@ class GeneratorConfig:
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
     speculation: bool = False  # speculative decoding with a drafter trained while idle, depth by a bandit
     drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
+    tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
+    tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
 
     def __post_init__(self):
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")
+        _check(self.tree_branching >= 2, "generator.tree_branching", "must be >= 2")
+        try:
+            depths = self.fork_depths
+        except ValueError:
+            depths = None
+        _check(depths is not None and all(d >= 1 for d in depths) and list(depths) == sorted(set(depths)),
+               "generator.tree_fork_depths", f"{self.tree_fork_depths!r} is not a comma-separated list of "
+               "strictly ascending depths >= 1")
+
+    @property
+    def fork_depths(self) -> tuple[int, ...]:
+        """tree_fork_depths parsed; () when tree sampling is off."""
+        return tuple(int(d) for d in self.tree_fork_depths.split(",") if d.strip())
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,9 @@ Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the
 decode step by speculative.SpeculativeDecoder.step: k drafted tokens verified by one _forward() with
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
+Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
+and forks at fixed completion depths, or where the next token is uncertain, into clone rows (copies of
+its cache row and outputs); see tree.py.
 Test: pytest tests/engine/test_backend.py
 """
 
@@ -27,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.generator.kv import SlotKVCache
-from engine.generator.sampling import SamplingBatch, request_generator, sample
+from engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
 from engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
+from engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
 from engine.models import check_supported
 from protocol.messages import SamplingParams, WorkItem
 
@@ -95,6 +99,10 @@ class _Seq:
     generator: torch.Generator
     added_s: float
     first_token_s: float = 0.0
+    # Tree sampling: samples of this row's group that will fork from it, and its next fork depth index.
+    branches: list[_Seq] = field(default_factory=list)
+    next_fork: int = 0
+    tree_done: bool = False  # a held sample given back: it runs as an ordinary request
 
 
 class TorchBackend:
@@ -106,8 +114,9 @@ class TorchBackend:
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu",
-                 seed: int | None = None):
+                 seed: int | None = None, tree: TreeSampling | None = None):
         self._check_args(model.config, max_batch_size, max_model_len)
+        self.tree = tree
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
@@ -179,7 +188,8 @@ class TorchBackend:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests not running yet, tree sampling's held branches included."""
+        return len(self._waiting) + sum(len(s.branches) for s in self._seqs)
 
     def capacity(self) -> int:
         """Requests this backend can take now without queueing beyond one batch."""
@@ -197,6 +207,9 @@ class TorchBackend:
             raise ValueError("enable_speculation must be called before the backend runs any request")
         if self._spec is not None:
             raise ValueError("speculation is already enabled; update the drafter with update_drafter()")
+        if self.tree is not None and self.tree.fork_entropy is not None:
+            raise ValueError("tree sampling by entropy forks between the forward and the draw, which "
+                             "speculative steps do not have; use fork_depths with speculation")
         self._spec = SpeculativeDecoder(self, drafter, 4 * self.max_batch_size if max_traces is None else max_traces)
         self._depth_policy = depth_policy
 
@@ -280,6 +293,8 @@ class TorchBackend:
             finished = self._record_and_collect(tokens_B, logprobs_B)
         else:
             finished = self._speculative_step(k)
+        if self.tree is not None:
+            self._fork_rows()
         self.stats.num_steps += 1
         step_s = time.monotonic() - start_s
         self.stats.decode_s += step_s
@@ -326,7 +341,11 @@ class TorchBackend:
             return
         start_s = time.monotonic()
         first = len(self._seqs)
-        new = [self._waiting.popleft() for _ in range(num_new)]
+        if self.tree is None:
+            new = [self._waiting.popleft() for _ in range(num_new)]
+        else:  # a trunk holds the waiting samples of its group, so fewer rows may start
+            new, self._waiting = take_trunks(self._waiting, num_new)
+            num_new = len(new)
         prompts = [s.request.prompt_ids for s in new]
         lengths = [len(p) - 1 for p in prompts]  # the last prompt token is fed by the decode step
         width = max(lengths)
@@ -343,6 +362,62 @@ class TorchBackend:
         self._sampling = None
         self.stats.num_prefill_tokens += sum(lengths)
         self.stats.prefill_s += time.monotonic() - start_s
+
+    def _fork_rows(self) -> None:
+        """Fixed-depth mode, after a step: fork every row that holds samples and reached its next depth."""
+        depths = self.tree.fork_depths
+        due = [i for i, s in enumerate(self._seqs) if s.branches]
+        if not depths or not due:
+            return
+        lengths = self._num_gen_R[due].tolist()
+        forks = [(row, self.tree.next_fork(n)) for row, n in zip(due, lengths, strict=True)
+                 if n >= depths[self._seqs[row].next_fork]]
+        self._fork([row for row, _ in forks], [next_fork for _, next_fork in forks])
+
+    def _fork_uncertain_rows(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """Entropy mode, between the forward and the draw: fork every row holding samples whose next
+        token's distribution is uncertain enough; returns the logits with the clones' rows appended."""
+        due = [i for i, s in enumerate(self._seqs) if s.branches]
+        if not due:
+            return logits_BV
+        seqs = [self._seqs[i] for i in due]
+        batch = SamplingBatch.build([s.request.sampling for s in seqs], [s.generator for s in seqs], self.device)
+        entropy_b = entropy(processed_logprobs(logits_BV[due], batch)).tolist()
+        rows = [row for row, h in zip(due, entropy_b, strict=True) if h > self.tree.fork_entropy]
+        if not rows:
+            return logits_BV
+        self._stamp_first_tokens()  # before clones join the end of the batch
+        sources = self._fork(rows, [self._seqs[row].next_fork + 1 for row in rows])
+        return torch.cat((logits_BV, logits_BV[sources])) if sources else logits_BV
+
+    def _fork(self, rows: list[int], next_forks: list[int]) -> list[int]:
+        """Fork these rows (tree.plan_forks) into clone rows appended to the batch, as far as free rows
+        allow; samples a row will never fork go back to the queue. Returns the clones' source rows."""
+        free = self.max_batch_size - len(self._seqs)
+        sources, clones, requeue = plan_forks(self._seqs, rows, next_forks, self.tree, free)
+        self._requeue(requeue)
+        if clones:
+            self._add_clones(sources, clones)
+        return sources
+
+    def _requeue(self, seqs: list[_Seq]) -> None:
+        """Held samples that will not fork run first among the waiting, as ordinary requests."""
+        for seq in seqs:
+            seq.tree_done = True
+        self._waiting.extendleft(reversed(seqs))
+
+    def _add_clones(self, sources: list[int], clones: list[_Seq]) -> None:
+        """Append clone rows that continue from rows `sources`: same cache, outputs and budget."""
+        first = len(self._seqs)
+        self._kv.copy_rows(sources, first)
+        index = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dest = slice(first, first + len(sources))
+        spec_states = () if self._spec is None else self._spec.row_states()
+        for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
+                      self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
+            state[dest] = state[index]
+        self._seqs.extend(clones)
+        self._sampling = None
 
     def _init_rows(self, first: int, new: list[_Seq]) -> None:
         rows, dev = slice(first, first + len(new)), self.device
@@ -400,6 +475,8 @@ class TorchBackend:
         if self._spec is not None:
             self._spec.after_plain_forward(num_rows, hidden_BTH[:, -1])
         logits_BV = self._lm_head(hidden_BTH[:, -1])
+        if self.tree is not None and self.tree.fork_entropy is not None:
+            logits_BV = self._fork_uncertain_rows(logits_BV)
         if self._sampling is None:
             self._sampling = SamplingBatch.build([s.request.sampling for s in self._seqs],
                                                  [s.generator for s in self._seqs], self.device)
@@ -475,15 +552,23 @@ class TorchBackend:
         if not rows:
             return []
         lengths = self._num_gen_R[rows].tolist()
-        out = []
+        out, requeue = [], []
         for row, length, reason in zip(rows, lengths, reasons, strict=True):
             completion = (self._out_tokens_RL[row, :length].cpu(), self._out_logprobs_RL[row, :length].cpu(),
                           self._out_versions_RL[row, :length].cpu())
-            out.append(self._finished(self._seqs[row], completion, reason))
+            seq = self._seqs[row]
+            out.append(self._finished(seq, completion, reason))
+            # Held samples of a row that ends before forking them start over as requests of their own.
+            if reason == "cancelled":
+                out += [self._finished(s, _empty_completion(), reason) for s in seq.branches]
+            else:
+                requeue += seq.branches
+            seq.branches = []
             if self._spec is not None and self._spec.traces.maxlen and reason != "cancelled":
                 prompt = torch.tensor(self._seqs[row].request.prompt_ids, dtype=torch.long, device=self.device)
                 self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])), len(prompt))
         self._remove_rows(set(rows))
+        self._requeue(requeue)
         return out
 
     def _remove_rows(self, drop: set[int]) -> None:

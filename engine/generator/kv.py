@@ -170,6 +170,20 @@ class SlotKVCache:
             buf[:num, lo:end] = buf[index, lo:end]
         self.valid_RC[:num] = self.valid_RC[index]
 
+    def copy_rows(self, sources: list[int], first_row: int) -> None:
+        """Copy the cached columns of rows `sources` into rows first_row.. (tree sampling's forks): the
+        copies hold the same keys/values at the same columns, so they continue as if decoded alone."""
+        if not sources:
+            return
+        index = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dest = slice(first_row, first_row + len(sources))
+        lo, end = self.lo, self.end
+        for buf in self._key_buffers():
+            buf[dest, :, lo:end] = buf[index, :, lo:end]
+        for buf in self.column_states:
+            buf[dest, lo:end] = buf[index, lo:end]
+        self.valid_RC[dest] = self.valid_RC[index]
+
     def compact(self, num_rows: int) -> None:
         """Squeeze the holes out of rows 0..num_rows-1: each row's valid columns keep their order and
         move right to end at end - 1. Columns only move right, so a span of columns counted back from
