@@ -3,7 +3,7 @@
     python tools/bench.py pipeline [--quick] [--json]
 
 One workload (the default synthetic task on the shipped tiny model; same train.steps, groups_per_step
-and group_size, so the same samples trained), run four ways, each as separate OS processes (a trainer
+and group_size, so the same samples trained), run five ways, each as separate OS processes (a trainer
 and two generators over tcp loopback, built-in rewards):
 
     sync             controller.max_staleness 0: generate the whole batch, then train
@@ -11,6 +11,8 @@ and two generators over tcp loopback, built-in rewards):
     modelled_sync    the same two with modelled.costs_file (engine/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
                      this run, so the scheduler alone is timed, free of 2-core CPU contention
+    stream+spec      stream with generator.speculation: speculative decoding with a drafter that starts
+                     untrained and learns in the generators' idle turns; spec_ratio = sync_s / its time
 
 Measuring (a child process, one torch thread like each role): CPU seconds of real decode steps at every
 batch size 1..generator.max_batch_size, of prefill, and of training steps against the tokens the trainer
@@ -24,7 +26,7 @@ last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; gener
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
 it means the workload's balance of compute, not the scheduler, limits the gain. The full run repeats
-every mode twice (ABCD DCBA) and reports means.
+every mode twice (ABCDE EDCBA) and reports means.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ RATIO_TARGET = 1.0
 MODELLED_RATIO_TARGET = 2.0
 MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
 NUM_GENERATORS = 2
-MODES = {  # name -> (controller.max_staleness, modelled compute)
-    "sync": (0, False),
-    "stream": (1, False),
-    "modelled_sync": (0, True),
-    "modelled_stream": (1, True),
+MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides)
+    "sync": (0, False, ()),
+    "stream": (1, False, ()),
+    "modelled_sync": (0, True, ()),
+    "modelled_stream": (1, True, ()),
+    # speculation with a drafter that starts untrained in each run and learns in idle turns (issue 5)
+    "stream+spec": (1, False, ("--generator.speculation", "true")),
 }
 _fork = multiprocessing.get_context("fork")
 
@@ -386,9 +390,10 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     # load weighs on every mode alike.
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
-        staleness, modelled = MODES[mode]
+        staleness, modelled, extra = MODES[mode]
         args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
-                "--trainer.stats_interval_s", "0.2", *(["--modelled.costs_file", str(costs_path)] if modelled else [])]
+                "--trainer.stats_interval_s", "0.2", *(["--modelled.costs_file", str(costs_path)] if modelled else []),
+                *extra]
         load = load_1m()
         r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600)
         r["load_1m"] = load
@@ -416,6 +421,8 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     lengths = sorted(c.completion_tokens for c in costs.completions)
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
+    spec_s = _mean(results["stream+spec"], "seconds")
+    out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3)}
     for key in ("idle_trainer", "idle_generators"):
         out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
     out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}
