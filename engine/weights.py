@@ -16,6 +16,17 @@ from typing import Any
 from protocol.messages import WeightsChunk, WeightsNotice
 
 
+def check_same_layout(state: dict[str, Any], reference: dict[str, Any], what: str) -> None:
+    """ValueError unless `state` has exactly the names and shapes of `reference` (checked before any copy)."""
+    if set(state) != set(reference):
+        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+        raise ValueError(f"{what}: missing {missing}, unexpected {extra}")
+    for name, value in state.items():
+        if tuple(value.shape) != tuple(reference[name].shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(value.shape)}, expected "
+                             f"{tuple(reference[name].shape)}")
+
+
 def chunk_state_dict(state: dict[str, Any], chunk_bytes: int) -> list[dict[str, Any]]:
     """Split name -> tensor into ordered chunks of at most ~chunk_bytes (one tensor may exceed it)."""
     chunks: list[dict[str, Any]] = [{}]

@@ -493,8 +493,11 @@ class TorchBackend:
         self._pos_R[rows] += 1
         self._pending_R[rows] = tokens_B
         self.stats.num_generated_tokens += num_rows
+        return self._collect_done((self._stop_RS[rows] == tokens_B[:, None]).any(-1), num_gen_B, rows)
+
+    def _collect_done(self, hit_B: torch.Tensor, num_gen_B: torch.Tensor, rows: slice) -> list[Finished]:
+        """After a step: stamp first-token times, finish rows that hit a stop token or their budget."""
         self._stamp_first_tokens()
-        hit_B = (self._stop_RS[rows] == tokens_B[:, None]).any(-1)
         done_B = hit_B | (num_gen_B >= self._limit_R[rows])
         if not bool(done_B.any()):
             return []
@@ -538,14 +541,8 @@ class TorchBackend:
         last_B = num_emit_B - 1
         self._pending_R[rows] = tokens_BN[arange_B, last_B]
         self.stats.num_generated_tokens += num_emitted
-        self._stamp_first_tokens()
-        hit_B = stop_BN[arange_B, last_B]  # emission is cut at the first stop, so only the last can be one
-        done_B = hit_B | (num_gen_B >= self._limit_R[rows])
-        if not bool(done_B.any()):
-            return []
-        done_rows = done_B.nonzero().flatten().tolist()
-        reasons = ["stop" if hit else "length" for hit in hit_B[done_rows].tolist()]
-        return self._finish_rows(done_rows, reasons)
+        # emission is cut at the first stop, so only the last emitted token can be one
+        return self._collect_done(stop_BN[arange_B, last_B], num_gen_B, rows)
 
     def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
         """Build the Finished of these running rows and remove them from the batch."""

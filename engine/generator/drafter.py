@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.weights import check_same_layout
+
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter.json"
 
@@ -184,13 +186,7 @@ class Drafter(nn.Module):
         """Take a full state (from export_state, a file or the wire) as `version`. Validates every
         name and shape before copying any, so a bad dict leaves the drafter untouched."""
         own = self.state_dict()
-        if set(state) != set(own):
-            missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-            raise ValueError(f"drafter state: missing {missing}, unexpected {extra}")
-        for name, value in state.items():
-            if tuple(value.shape) != tuple(own[name].shape):
-                raise ValueError(f"drafter state: {name} has shape {tuple(value.shape)}, expected "
-                                 f"{tuple(own[name].shape)}")
+        check_same_layout(state, own, "drafter state")
         for name, value in state.items():
             own[name].copy_(torch.as_tensor(value))
         self.version = version

@@ -39,7 +39,7 @@ from engine.trainer.controller import Controller, GroupState, PromptRecord
 from engine.trainer.learner import Learner, LearnerConfig
 from engine.trainer.loss import LossConfig
 from engine.trainer.rewards import RewardDispatcher, ScoringFailed
-from engine.weights import WeightsAssembler, WeightsStore
+from engine.weights import WeightsAssembler, WeightsStore, check_same_layout
 from protocol import messages as m
 
 log = logging.getLogger("tailrace.trainer")
@@ -551,15 +551,8 @@ class TrainerService:
 def check_drafter_layout(tensors: dict[str, Any], served: dict[str, Any] | None) -> None:
     """ValueError unless `tensors` has the served drafter's names and shapes (any layout is taken first:
     the trainer holds no drafter of its own; generators validate again in Drafter.load_state)."""
-    if served is None:
-        return
-    if set(tensors) != set(served):
-        missing, extra = sorted(set(served) - set(tensors)), sorted(set(tensors) - set(served))
-        raise ValueError(f"drafter state: missing {missing}, unexpected {extra}")
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(served[name].shape):
-            raise ValueError(f"drafter state: {name} has shape {tuple(value.shape)}, expected "
-                             f"{tuple(served[name].shape)}")
+    if served is not None:
+        check_same_layout(tensors, served, "drafter state")
 
 
 def _to_group(state: GroupState) -> Group:

@@ -240,7 +240,7 @@ def run_scenario(name: str, quick: bool, log: Callable[[str], None], out_dir: st
         log(f"  {mode:7s} step {r['step_s']:7.2f} s CPU ({r['wall_s']:.2f} s wall, forward/backward "
             f"{r['forward_backward_s']:.2f} s), peak RSS {r['peak_rss_mb']:.0f} MB (before the step "
             f"{r['rss_before_mb']:.0f} MB)")
-    grads = {m: torch.load(Path(out_dir) / f"{name}_{m}.pt") for m in MODES}
+    grads = {m: torch.load(Path(out_dir) / f"{name}_{m}.pt", weights_only=True) for m in MODES}
     best = min(results["replay"]["step_s"], results["packed"]["step_s"])
     ratio = results["naive"]["step_s"] / best
     figures.update({
