@@ -529,8 +529,9 @@ class TorchBackend:
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
         num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
-        num_emitted = int(num_emit_B.sum())
-        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B, num_emitted)
+        emit_counts = num_emit_B.tolist()  # one sync for the total and the widest row
+        num_emitted = sum(emit_counts)
+        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B, num_emitted, max(emit_counts))
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
         self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)

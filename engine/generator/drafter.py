@@ -153,14 +153,17 @@ class Drafter(nn.Module):
         before ids_BT[:, t]. With `cache` (a SlotKVCache with its window set by the caller) the new
         keys/values are stored at `layer_idx` and the mask [B, 1, T, K] covers the visible columns;
         without it the mask is [B, 1, T, T] over these tokens alone (training on packed samples)."""
-        c = self.config
-        embedded = self.embed(ids_BT)
+        # Functional calls on the layer's own parameters: drafting runs this once per drafted token, and
+        # on a CPU every nn.Module call and every dispatched op costs microseconds.
+        c, hidden = self.config, (self.config.hidden_size,)
+        embedded = F.embedding(ids_BT, self._frozen[0])
         if embedded.dtype != features_BTH.dtype:
             embedded = embedded.to(features_BTH.dtype)
-        x = self.fc(torch.cat((embedded, features_BTH), dim=-1))
+        x = F.linear(torch.cat((embedded, features_BTH), dim=-1), self.fc.weight)
         batch, num_new, _ = x.shape
         num_qk = c.num_heads + c.num_kv_heads
-        qkv = self.qkv(self.input_norm(x)).view(batch, num_new, num_qk + c.num_kv_heads, c.head_dim)
+        normed = F.rms_norm(x, hidden, self.input_norm.weight, c.rms_norm_eps)
+        qkv = F.linear(normed, self.qkv.weight).view(batch, num_new, num_qk + c.num_kv_heads, c.head_dim)
         qkv = qkv.transpose(1, 2)  # [B, heads of q, k and v, T, d]
         if self._rope_turns.device != x.device:
             self._rope_turns = self._rope_turns.to(x.device)
@@ -170,10 +173,11 @@ class Drafter(nn.Module):
             k, v = cache.update(k, v, layer_idx)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TK,
                                               enable_gqa=c.num_kv_heads != c.num_heads)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, num_new, c.num_heads * c.head_dim))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        x = x + self.down(F.silu(gate) * up)
-        return self.out_norm(x)
+        x = x + F.linear(attn.transpose(1, 2).reshape(batch, num_new, c.num_heads * c.head_dim), self.o_proj.weight)
+        normed = F.rms_norm(x, hidden, self.post_norm.weight, c.rms_norm_eps)
+        gate, up = F.linear(normed, self.gate_up.weight).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, self.down.weight)
+        return F.rms_norm(x, hidden, self.out_norm.weight, c.rms_norm_eps)
 
     # ------------------------------------------------------------------ state: files and wire
 

@@ -40,6 +40,7 @@ class SamplingBatch:
     top_k_B: torch.Tensor        # int64; 0 = off
     top_p_B: torch.Tensor        # float32; 1.0 = off
     truncates_B: torch.Tensor    # bool; the row uses top-k or top-p
+    divisor_B1: torch.Tensor     # float32 [B, 1]; what logits are divided by: the temperature, 1 if greedy
     generators: tuple[torch.Generator, ...]
     all_greedy: bool
     any_greedy: bool
@@ -60,6 +61,7 @@ class SamplingBatch:
             top_k_B=torch.tensor(top_ks, dtype=torch.int64, device=device),
             top_p_B=torch.tensor(top_ps, dtype=torch.float32, device=device),
             truncates_B=torch.tensor(truncates, dtype=torch.bool, device=device),
+            divisor_B1=torch.tensor([[t if t > 0.0 else 1.0] for t in temps], dtype=torch.float32, device=device),
             generators=tuple(generators),
             all_greedy=all(t == 0.0 for t in temps),
             any_greedy=any(t == 0.0 for t in temps),
@@ -120,14 +122,14 @@ def processed_logprobs(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.T
     logits_BV = logits_BV.float()
     if batch.all_greedy:
         return _one_hot_logprobs(logits_BV)
-    greedy_B = batch.temperature_B == 0.0
     # Greedy rows are divided by 1 only to stay finite; their result is replaced below.
-    scaled_BV = logits_BV / torch.where(greedy_B, 1.0, batch.temperature_B)[:, None]
+    scaled_BV = logits_BV / batch.divisor_B1
     if batch.any_truncation:
         scaled_BV = _truncate(scaled_BV, batch)
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
     if batch.any_greedy:
-        logprobs_BV = torch.where(greedy_B[:, None], _one_hot_logprobs(logits_BV), logprobs_BV)
+        greedy_B1 = batch.temperature_B[:, None] == 0.0
+        logprobs_BV = torch.where(greedy_B1, _one_hot_logprobs(logits_BV), logprobs_BV)
     return logprobs_BV
 
 

@@ -138,7 +138,7 @@ def repeat_batch(batch: SamplingBatch, num: int) -> SamplingBatch:
     return dataclasses.replace(
         batch, temperature_B=batch.temperature_B.repeat_interleave(num),
         top_k_B=batch.top_k_B.repeat_interleave(num), top_p_B=batch.top_p_B.repeat_interleave(num),
-        truncates_B=batch.truncates_B.repeat_interleave(num),
+        truncates_B=batch.truncates_B.repeat_interleave(num), divisor_B1=batch.divisor_B1.repeat_interleave(num, 0),
         generators=tuple(g for g in batch.generators for _ in range(num)))
 
 
@@ -258,8 +258,10 @@ class SpeculativeDecoder:
         kv.set_window(rows, start, kv.lo)
         mask = kv.attention_mask(rows, start, end + 1 - start, kv.lo)
         window = slice(start, end + 1)
-        hidden_B1H = self.drafter(self.ids_RC[rows, window], self.feats_RCH[rows, window],
-                                  self.pos_RC[rows, window], mask, cache=kv, layer_idx=self.layer)[:, -1:]
+        # forward() called directly: nn.Module.__call__'s hook handling costs more than it does here.
+        forward = self.drafter.forward
+        hidden_B1H = forward(self.ids_RC[rows, window], self.feats_RCH[rows, window], self.pos_RC[rows, window],
+                             mask, cache=kv, layer_idx=self.layer)[:, -1:]
         self.stale_back = 0
         drafts, q_logprobs = [], []
         positions_BK = b._pos_R[rows, None] + torch.arange(k, device=b.device)
@@ -269,8 +271,8 @@ class SpeculativeDecoder:
             if j > 0:
                 col = end + j
                 kv.set_window(rows, col, kv.lo)
-                hidden_B1H = self.drafter(drafts[-1], hidden_B1H, positions_BK[:, j:j + 1],
-                                          mask_B11K[..., :col + 1 - kv.lo], cache=kv, layer_idx=self.layer)
+                hidden_B1H = forward(drafts[-1], hidden_B1H, positions_BK[:, j:j + 1],
+                                     mask_B11K[..., :col + 1 - kv.lo], cache=kv, layer_idx=self.layer)
             q_BV = processed_logprobs(self.drafter.logits(hidden_B1H[:, 0]), batch)
             drafts.append(sample_probs(q_BV.exp(), u_BK[:, j:j + 1]))
             q_logprobs.append(q_BV)
@@ -291,8 +293,10 @@ class SpeculativeDecoder:
         return hidden_BNH, p_BNV
 
     def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, hidden_BNH: torch.Tensor,
-               num_accepted_B: torch.Tensor, num_emitted: int) -> None:
-        """Keep the fed columns of emitted tokens, drop the rest, advance the pending token."""
+               num_accepted_B: torch.Tensor, num_emitted: int, max_emit: int) -> None:
+        """Keep the fed columns of emitted tokens, drop the rest, advance the pending token. The
+        columns no row keeps (past the widest row's max_emit) are handed back: end advances by
+        max_emit, not k + 1, so a batch of one never leaves holes and attention windows stay short."""
         b, kv = self.backend, self.backend._kv
         num_rows = tokens_BN.shape[0]
         rows, end = slice(0, num_rows), kv.end
@@ -304,8 +308,10 @@ class SpeculativeDecoder:
         self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
         last_B = num_emit_B - 1
         self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
-        kv.end = end + k + 1
-        self.stale_back = k
+        kv.end = end + max_emit
+        # The pending column's drafter keys/values were computed from its true feature; the emitted
+        # drafts after it were fed predicted features, so they are recomputed at the next step.
+        self.stale_back = max_emit - 1
         s = self.stats
         s.num_spec_steps += 1
         s.num_drafted += k * num_rows

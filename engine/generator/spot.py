@@ -42,8 +42,8 @@ class SpotConfig:
     row_tokens: int = 256  # packed row length (a longer trace is cut): attention cost ~ row_tokens^2
     lr: float = 3e-3
     hidden_loss_weight: float = 0.1
-    # Also train on the drafter's own predicted features (as drafting at depth >= 2 sees them). Off by
-    # default: on the tiny model it doubled the step cost without raising acceptance measurably.
+    # Also train on the drafter's own predicted features, as every draft after the first of a step sees
+    # them (drafter_loss); doubles the cost of a step.
     unroll: bool = False
 
     def __post_init__(self):
@@ -159,29 +159,62 @@ def block_causal_mask(segments_RT: torch.Tensor) -> torch.Tensor:
     return (same_RTT & (index_T[None, :] <= index_T[:, None]))[:, None]
 
 
+class _KeyRecorder:
+    """Stands in for the KV cache in a training forward: keeps the new keys/values it is handed and
+    returns them after `earlier` ones (a pair of [R, h, T, d] tensors), if any."""
+
+    def __init__(self, earlier: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.earlier = earlier
+        self.keys = self.values = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int):
+        self.keys, self.values = keys, values
+        if self.earlier is None:
+            return keys, values
+        return torch.cat((self.earlier[0], keys), dim=2), torch.cat((self.earlier[1], values), dim=2)
+
+
+def drafter_passes(drafter: Drafter, packed: Packed, unroll: bool) -> list[tuple[str, torch.Tensor]]:
+    """The drafter's predicted hidden states [R, T, H] on packed traces: ("tf", ...) and, with unroll,
+    ("unroll", ...).
+
+    Teacher forced (the first draft of a step): position t gets the policy's hidden state of t - 1.
+    Unrolled (every later draft): position t gets the drafter's own prediction for t - 1 from the
+    teacher-forced pass, and attends to the teacher-forced keys/values of the earlier positions and
+    to its own key only: exactly what a draft forward sees, whose cache holds keys computed from true
+    features (the catch-up) up to the pending token."""
+    causal = block_causal_mask(packed.segments_RT)
+    teacher = _KeyRecorder()
+    pred_RTH = drafter(packed.ids_RT, packed.features_RTH, packed.positions_RT, causal, cache=teacher)
+    passes = [("tf", pred_RTH)]
+    if unroll:
+        first_RT1 = (packed.positions_RT == 0)[..., None]
+        shifted = torch.cat((torch.zeros_like(pred_RTH[:, :1]), pred_RTH[:, :-1].detach()), dim=1)
+        own_TT = torch.eye(causal.shape[-1], dtype=torch.bool, device=causal.device)
+        mask = torch.cat((causal & ~own_TT, own_TT.expand_as(causal)), dim=-1)  # [R, 1, T, 2T]
+        cache = _KeyRecorder(earlier=(teacher.keys, teacher.values))
+        passes.append(("unroll", drafter(packed.ids_RT, shifted.masked_fill(first_RT1, 0.0), packed.positions_RT,
+                                         mask, cache=cache)))
+    return passes
+
+
 def drafter_loss(drafter: Drafter, packed: Packed, hidden_loss_weight: float, unroll: bool):
     """(loss, metrics): KL(policy || drafter) + weighted smooth-L1 on the hidden state, averaged over
-    the teacher-forced pass and (with unroll) the pass fed with the drafter's own predictions."""
-    mask = block_causal_mask(packed.segments_RT)
+    the passes of drafter_passes."""
     learn_RT = packed.loss_RT
     num_learn = learn_RT.sum().clamp_min(1)
     target_logp = torch.log_softmax(drafter.logits(packed.targets_RTH).float(), dim=-1)
-    first_RT1 = (packed.positions_RT == 0)[..., None]
-    features, losses, metrics = packed.features_RTH, [], {}
-    for name in ("tf", "unroll")[: 1 + unroll]:
-        pred_RTH = drafter(packed.ids_RT, features, packed.positions_RT, mask)
-        logq = torch.log_softmax(drafter.logits(pred_RTH).float(), dim=-1)
+    losses, metrics = [], {}
+    for name, pred in drafter_passes(drafter, packed, unroll):
+        logq = torch.log_softmax(drafter.logits(pred).float(), dim=-1)
         kl_RT = F.kl_div(logq, target_logp, log_target=True, reduction="none").sum(-1)
-        hidden_RT = F.smooth_l1_loss(pred_RTH.float(), packed.targets_RTH.float(), reduction="none").mean(-1)
+        hidden_RT = F.smooth_l1_loss(pred.float(), packed.targets_RTH.float(), reduction="none").mean(-1)
         kl = (kl_RT * learn_RT).sum() / num_learn
         losses.append(kl + hidden_loss_weight * (hidden_RT * learn_RT).sum() / num_learn)
         with torch.no_grad():
             accept_RT = torch.minimum(logq.exp(), target_logp.exp()).sum(-1)
             metrics[f"kl_{name}"] = float(kl)
             metrics[f"accept_{name}"] = float((accept_RT * learn_RT).sum() / num_learn)
-        # Next pass: each position gets the prediction for the position before it, as when drafting.
-        shifted = torch.cat((torch.zeros_like(pred_RTH[:, :1]), pred_RTH[:, :-1].detach()), dim=1)
-        features = shifted.masked_fill(first_RT1, 0.0)
     loss = sum(losses) / len(losses)
     metrics["loss"] = float(loss.detach())
     return loss, metrics

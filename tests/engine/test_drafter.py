@@ -11,7 +11,15 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from engine.generator.backend import Request, TorchBackend
 from engine.generator.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
 from engine.generator.speculative import FixedDepth, Trace
-from engine.generator.spot import SpotConfig, SpotTrainer, TraceBuffer, block_causal_mask, pack
+from engine.generator.spot import (
+    SpotConfig,
+    SpotTrainer,
+    TraceBuffer,
+    _KeyRecorder,
+    block_causal_mask,
+    drafter_passes,
+    pack,
+)
 from protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
@@ -165,6 +173,37 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now_s
+
+
+@torch.no_grad()
+def test_unrolled_pass_is_what_the_second_draft_sees(model):
+    # Drafting feeds the k >= 2nd draft the drafter's own prediction for the position before, with a
+    # cache of keys computed from the policy's true hidden states (the catch-up). The unrolled training
+    # pass must compute exactly that at every position, two traces packed in one row included.
+    drafter = Drafter.for_policy(model, seed=5)
+    for p in drafter.parameters():
+        p.add_(0.1 * torch.randn_like(p))  # away from the near-identity init
+    gen = torch.Generator().manual_seed(3)
+    traces = []
+    for n in (9, 7):
+        tokens = torch.randint(0, VOCAB, (n,), generator=gen)
+        traces.append(Trace(tokens, model.model(tokens[None]).last_hidden_state[0, :-1], 0, 1))
+    packed = pack(traces, 64, row_tokens=64)
+    (_, teacher), (_, unrolled) = drafter_passes(drafter, packed, unroll=True)
+    col = 0
+    for trace in traces:
+        ids, hidden = trace.tokens[:-1], trace.hidden
+        features = torch.cat((torch.zeros_like(hidden[:1]), hidden[:-1]))[None]
+        for t in range(1, ids.numel()):
+            # catch-up over 0..t-1 with true features, then one draft forward at t
+            catch_up = _KeyRecorder()
+            causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+            pred = drafter(ids[None, :t], features[:, :t], torch.arange(t)[None], causal, cache=catch_up)
+            draft = drafter(ids[None, t:t + 1], pred[:, -1:], torch.tensor([[t]]), torch.ones(1, 1, 1, t + 1, dtype=torch.bool),
+                            cache=_KeyRecorder(earlier=(catch_up.keys, catch_up.values)))
+            torch.testing.assert_close(unrolled[0, col + t], draft[0, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(teacher[0, col + t - 1], pred[0, -1], atol=1e-5, rtol=1e-5)
+        col += ids.numel()
 
 
 def test_spot_trainer_yields_within_one_step_when_work_arrives(model):

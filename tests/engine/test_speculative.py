@@ -401,3 +401,28 @@ def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
         assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
         torch.testing.assert_close(kv.keys[spec.layer][row][:, cols], cache.keys[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kv.values[spec.layer][row][:, cols], cache.values[0], atol=1e-4, rtol=1e-4)
+
+
+def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter):
+    # A step's columns past the widest row's emitted tokens are reused at the next step: a single row
+    # never leaves holes (its window is exactly its cached tokens), and in a batch every column right
+    # of the last one any row kept is free. Output stays exactly the greedy reference.
+    p = prompts(1, seed=21)[0]
+    single = spec_backend(model, trained_drafter, 5, max_batch_size=1, max_model_len=64)
+    single.add(Request(0, 0, p, SamplingParams(temperature=0.0, max_new_tokens=30)))
+    done, kv = {}, single._kv
+    while single.num_running or single.num_waiting:
+        for fin in single.step():
+            done[fin.group_id, fin.sample_id] = fin
+        if single.num_running:
+            cached = len(p) - 1 + int(single._num_gen_R[0])  # the pending token is not cached yet
+            assert kv.end - kv.lo == cached and bool(kv.valid_RC[0, kv.lo:kv.end].all())
+    assert done[0, 0].completion_ids.tolist() == greedy_reference(model, p, 30)
+    assert single.spec_stats.num_accepted < single.spec_stats.num_drafted  # some drafts were rejected
+    batched = spec_backend(model, trained_drafter, 5, max_batch_size=3, max_model_len=64)
+    for i, q in enumerate(prompts(3, seed=22)):
+        batched.add(Request(i, 0, q, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i)))
+    for _ in range(4):
+        batched.step()
+        if batched.num_running:
+            assert bool(batched._kv.valid_RC[:batched.num_running, batched._kv.end - 1].any())
