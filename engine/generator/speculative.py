@@ -29,6 +29,7 @@ Test: pytest tests/engine/test_speculative.py
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,6 +64,12 @@ class SpecStats:
     num_accepted: int = 0
     num_emitted: int = 0
     accept_len_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT_TOKENS + 1))
+    # Per depth j = 1..MAX_DRAFT_TOKENS (index j - 1): row-steps whose j-th draft was tested (drafted, with
+    # every draft before it accepted), and those of them that accepted it.
+    tested_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
+    accepted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
+    draft_s: float = 0.0   # seconds in drafting (drafter catch-up, draft forwards, sampling the drafts)
+    verify_s: float = 0.0  # seconds in verification (the policy forward over k + 1 tokens, the acceptance rule)
 
     @property
     def mean_accept_len(self) -> float:
@@ -70,13 +77,32 @@ class SpecStats:
         row_steps = sum(self.accept_len_hist)
         return self.num_accepted / row_steps if row_steps else 0.0
 
+    @property
+    def accept_rate_by_depth(self) -> list[float]:
+        """The rate at which the j-th draft was accepted given that every draft before it was, for the
+        depths j = 1, 2, ... that were tested."""
+        return [a / t for a, t in zip(self.accepted_by_depth, self.tested_by_depth, strict=True) if t]
+
+    def record(self, k: int, accept_counts: list[int]) -> None:
+        """One speculative step of depth k; accept_counts[a]: rows that accepted a drafts."""
+        self.num_spec_steps += 1
+        for a, count in enumerate(accept_counts):
+            self.accept_len_hist[a] += count
+            self.num_accepted += a * count
+            for j in range(min(a + 1, k)):  # depths 1 .. a + 1 were tested, 1 .. a accepted
+                self.tested_by_depth[j] += count
+                self.accepted_by_depth[j] += count * (j < a)
+
     def counters(self) -> dict[str, float]:
         """Telemetry (role/group/name keys): steps, drafted/accepted tokens, acceptance lengths."""
         out = {"generator/spec/spec_steps": self.num_spec_steps, "generator/spec/plain_steps": self.num_plain_steps,
                "generator/spec/drafted": self.num_drafted, "generator/spec/accepted": self.num_accepted,
                "generator/spec/mean_accept_len": self.mean_accept_len,
-               "generator/spec/accept_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0}
+               "generator/spec/accept_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+               "generator/spec/draft_s": self.draft_s, "generator/spec/verify_s": self.verify_s}
         out.update({f"generator/spec/accept_len_{a}": n for a, n in enumerate(self.accept_len_hist)})
+        out.update({f"generator/spec/accept_rate_depth_{j + 1}": rate
+                    for j, rate in enumerate(self.accept_rate_by_depth)})
         return out
 
 
@@ -223,10 +249,16 @@ class SpeculativeDecoder:
         batch = self._sampling(num_rows)
         uniforms_BU = (torch.zeros(num_rows, 2 * k + 1, device=b.device) if batch.all_greedy
                        else draw_uniforms_many(batch.generators, 2 * k + 1, b.device))
+        start_s = time.perf_counter()
         drafts_BK, q_BKV = self._draft(num_rows, k, batch, uniforms_BU[:, :k])
+        drafted_s = time.perf_counter()
         hidden_BNH, p_BNV = self._verify(num_rows, k, drafts_BK)
         num_accepted_B, tokens_BN, logprobs_BN = accept_drafts(
             p_BNV, q_BKV, drafts_BK, uniforms_BU[:, k:2 * k], uniforms_BU[:, 2 * k])
+        # Host clocks: on an accelerator they time the launches unless something synchronises (the
+        # backend's commit does, right after).
+        self.stats.draft_s += drafted_s - start_s
+        self.stats.verify_s += time.perf_counter() - drafted_s
         return tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH
 
     def _sampling(self, num_rows: int) -> SamplingBatch:
@@ -312,13 +344,9 @@ class SpeculativeDecoder:
         # The pending column's drafter keys/values were computed from its true feature; the emitted
         # drafts after it were fed predicted features, so they are recomputed at the next step.
         self.stale_back = max_emit - 1
-        s = self.stats
-        s.num_spec_steps += 1
-        s.num_drafted += k * num_rows
-        s.num_emitted += num_emitted
-        for a, count in enumerate(torch.bincount(num_accepted_B, minlength=k + 1).tolist()):  # one sync
-            s.accept_len_hist[a] += count
-            s.num_accepted += a * count
+        self.stats.num_drafted += k * num_rows
+        self.stats.num_emitted += num_emitted
+        self.stats.record(k, torch.bincount(num_accepted_B, minlength=k + 1).tolist())  # one sync
 
 
 class FixedDepth:

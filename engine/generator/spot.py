@@ -43,7 +43,8 @@ class SpotConfig:
     lr: float = 3e-3
     hidden_loss_weight: float = 0.1
     # Also train on the drafter's own predicted features, as every draft after the first of a step sees
-    # them (drafter_loss); doubles the cost of a step.
+    # them (drafter_passes). Off by default: it doubles the cost of a step, and on the tiny model, for
+    # the same training time, acceptance at depth >= 2 did not rise (0.862 without, 0.839 with).
     unroll: bool = False
 
     def __post_init__(self):

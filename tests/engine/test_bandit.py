@@ -59,6 +59,27 @@ def test_converges_to_the_best_arm_per_bucket_and_turns_speculation_off_where_it
         1 for b, _ in choices if b == 0)
 
 
+def test_first_tries_stop_past_the_peak():
+    # Without exploration, a bucket where speculation loses tries k = 0 and 1 only; one where depth 4
+    # is best tries 0 .. 6 (6 is past the peak) and never 8; margin 1 tries every arm.
+    for bucket, tried in ((5, [0, 1]), (0, [0, 1, 2, 3, 4, 6])):
+        bandit = SpecBandit(epsilon=0.0, min_tries=3, seed=0)
+        num_running = 1 << bucket
+        for _ in range(200):
+            k = bandit.choose(num_running)
+            bandit.update(num_running, k, round(tokens_per_s(bucket, k)), 1.0)
+        assert [k for k in DEFAULT_ARMS if bandit.stats()[f"generator/spec/bucket_{bucket_label(bucket)}/k{k}_chosen"]
+                and k != BEST[bucket]] == [k for k in tried if k != BEST[bucket]]
+        assert bandit.best(num_running) == BEST[bucket]
+    everything = SpecBandit(epsilon=0.0, prune_margin=1.0, seed=0)
+    for _ in range(3 * len(DEFAULT_ARMS)):
+        k = everything.choose(32)
+        everything.update(32, k, round(tokens_per_s(5, k)), 1.0)
+    assert all(everything.stats()[f"generator/spec/bucket_17-32/k{k}_chosen"] == 3 for k in DEFAULT_ARMS)
+    with pytest.raises(ValueError, match="prune_margin"):
+        SpecBandit(prune_margin=1.5)
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 0.2])
 def test_explores_with_probability_epsilon(epsilon):
     bandit = SpecBandit(epsilon=epsilon, window=64, seed=1)

@@ -426,3 +426,13 @@ def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter)
         batched.step()
         if batched.num_running:
             assert bool(batched._kv.valid_RC[:batched.num_running, batched._kv.end - 1].any())
+
+
+def test_acceptance_by_depth_counts_only_tested_drafts():
+    stats = speculative.SpecStats()
+    stats.record(3, [2, 1, 0, 3])  # depth 3: rows accepting 0, 1 and all 3 drafts
+    stats.record(1, [1, 1])        # depth 1: no second draft was ever tested in this step
+    assert stats.tested_by_depth[:4] == [8, 4, 3, 0] and stats.accepted_by_depth[:4] == [5, 3, 3, 0]
+    assert stats.accept_rate_by_depth == [5 / 8, 3 / 4, 1.0]
+    assert stats.accept_len_hist[:4] == [3, 2, 0, 3] and stats.num_accepted == 1 * 2 + 3 * 3
+    assert stats.num_spec_steps == 2 and stats.mean_accept_len == 11 / 8

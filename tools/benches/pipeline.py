@@ -11,8 +11,11 @@ and two generators over tcp loopback, built-in rewards):
     modelled_sync    the same two with modelled.costs_file (engine/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
                      this run, so the scheduler alone is timed, free of 2-core CPU contention
-    stream+spec      stream with generator.speculation: speculative decoding with a drafter that starts
-                     untrained and learns in the generators' idle turns; spec_ratio = sync_s / its time
+    stream+spec      stream with generator.speculation: speculative decoding, the bandit choosing the depth
+                     per batch size, with a drafter trained before the runs on the policy's own rollouts
+                     (other prompts; what a long-lived run resumes with, generator.drafter_path) and
+                     trained further in the generators' idle turns; spec_ratio = sync_s / its time
+    stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
 
 Measuring (a child process, one torch thread like each role): CPU seconds of real decode steps at every
 batch size 1..generator.max_batch_size, of prefill, and of training steps against the tokens the trainer
@@ -26,7 +29,7 @@ last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; gener
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
 it means the workload's balance of compute, not the scheduler, limits the gain. The full run repeats
-every mode twice (ABCDE EDCBA) and reports means.
+every mode twice (ABCDEF FEDCBA) and reports means.
 """
 
 from __future__ import annotations
@@ -46,14 +49,16 @@ from pathlib import Path
 RATIO_TARGET = 1.0
 MODELLED_RATIO_TARGET = 2.0
 MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
+DRAFTER_TRAIN_S = {True: 20.0, False: 60.0}  # spot training before the runs (stream+spec), by --quick
 NUM_GENERATORS = 2
 MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides)
     "sync": (0, False, ()),
     "stream": (1, False, ()),
     "modelled_sync": (0, True, ()),
     "modelled_stream": (1, True, ()),
-    # speculation with a drafter that starts untrained in each run and learns in idle turns (issue 5)
-    "stream+spec": (1, False, ("--generator.speculation", "true")),
+    # speculation (issue 5): from a drafter trained before the runs, and from an untrained one
+    "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
+    "stream+spec_cold": (1, False, ("--generator.speculation", "true")),
 }
 _fork = multiprocessing.get_context("fork")
 
@@ -217,6 +222,28 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
           info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
                 "load_1m_before": load_before, "load_1m_after": load_1m(), "train_points": train_points,
                 "data_seed": MEASURE_DATA_SEED}).save(path)
+
+
+def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str], None]) -> None:
+    """Train a drafter on the policy's own rollouts of other prompts than the runs train on, as the spot
+    trainer does, and save it to `folder` (run in a child process)."""
+    import torch
+
+    from engine import models
+    from engine.generator.drafter import Drafter
+    from tools.benches.spec import collect_traces, train_drafter
+
+    torch.set_num_threads(1)
+    cfg = w.config()
+    tokenizer = models.load_tokenizer(cfg.model.path or "tiny")
+    model = models.load_model(cfg.model.path or "tiny", dtype=cfg.model.dtype).requires_grad_(False)
+    max_prompt = model.config.max_position_embeddings - w.max_new_tokens
+    prompts = _prompts(cfg, tokenizer, 1024 if quick else 4096, MEASURE_DATA_SEED + 1, max_prompt)
+    drafter = Drafter.for_policy(model, seed=0)
+    traces = collect_traces(model, drafter, models.eos_token_ids(model, tokenizer), [p.token_ids for p in prompts],
+                            log)
+    train_drafter(drafter, traces, DRAFTER_TRAIN_S[quick], log)
+    drafter.save(folder)
 
 
 def _quantile(sorted_values: list, q: float):
@@ -386,14 +413,19 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     measure.join()
     if measure.exitcode != 0:
         raise RuntimeError(f"measuring the costs failed (exit code {measure.exitcode})")
-    # The full run repeats the modes in mirrored order (ABCD DCBA), so a drift in the machine's other
+    drafter_dir = work / "drafter"
+    pretrain = _start(pretrain_drafter, w, drafter_dir, quick, log)
+    pretrain.join()
+    if pretrain.exitcode != 0:
+        raise RuntimeError(f"training the drafter failed (exit code {pretrain.exitcode})")
+    # The full run repeats the modes in mirrored order (ABC CBA), so a drift in the machine's other
     # load weighs on every mode alike.
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
         staleness, modelled, extra = MODES[mode]
         args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
                 "--trainer.stats_interval_s", "0.2", *(["--modelled.costs_file", str(costs_path)] if modelled else []),
-                *extra]
+                *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
         load = load_1m()
         r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600)
         r["load_1m"] = load
@@ -421,8 +453,9 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     lengths = sorted(c.completion_tokens for c in costs.completions)
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
-    spec_s = _mean(results["stream+spec"], "seconds")
-    out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3)}
+    spec_s, cold_s = _mean(results["stream+spec"], "seconds"), _mean(results["stream+spec_cold"], "seconds")
+    out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3),
+            "stream_spec_cold_s": round(cold_s, 3), "spec_ratio_cold": round(s / cold_s, 3)}
     for key in ("idle_trainer", "idle_generators"):
         out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
     out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}

@@ -18,8 +18,10 @@ Figures: tokens_per_s_plain / tokens_per_s_spec / speedup at batch 1 and speedup
 throughput: tokens per second of decode steps, wall clock; admission and prefill excluded, as they are
 the same work in both), the same end to end with prefill and in CPU time, mean_accept_len (accepted
 drafts per row and speculative step), tv_distance and tv_noise_floor; target speedup >= 1.8. CPU-time
-ratios are less disturbed by other processes on a shared machine. TAILRACE_BENCH_MODEL=PATH benchmarks
-another checkpoint.
+ratios are less disturbed by other processes on a shared machine. At batch 1, what the speedup is made
+of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all before it were),
+plain_step_ms, spec_draft_ms and spec_verify_ms (per speculative step) and emitted_per_spec_step.
+TAILRACE_BENCH_MODEL=PATH benchmarks another checkpoint.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ BATCH_SIZES = (1, 2, 4)
 
 def _sizes(quick: bool) -> dict:
     if quick:
-        return dict(num_train_prompts=512, train_s=26.0, num_warmup_prompts=8, num_decode_prompts=32,
+        return dict(num_train_prompts=1024, train_s=26.0, num_warmup_prompts=8, num_decode_prompts=32,
                     num_tv_prompts=256)
-    return dict(num_train_prompts=2048, train_s=150.0, num_warmup_prompts=24, num_decode_prompts=128,
+    # ~110k tokens of rollouts: fewer make the drafter overfit them (its acceptance on other prompts drops)
+    return dict(num_train_prompts=5000, train_s=150.0, num_warmup_prompts=24, num_decode_prompts=128,
                 num_tv_prompts=1024)
 
 
@@ -87,7 +90,7 @@ def _race(backends: dict, requests, keep_running: int) -> dict[str, list]:
             return totals
 
 
-def _collect_traces(model, drafter, eos, prompts, log) -> list:
+def collect_traces(model, drafter, eos, prompts, log) -> list:
     from engine.generator.backend import Request, TorchBackend
     from engine.generator.speculative import FixedDepth
     from protocol.messages import SamplingParams
@@ -101,7 +104,7 @@ def _collect_traces(model, drafter, eos, prompts, log) -> list:
     return traces
 
 
-def _train(drafter, traces, train_s: float, log) -> dict:
+def train_drafter(drafter, traces, train_s: float, log) -> dict:
     from engine.generator.spot import SpotConfig, SpotTrainer
 
     spot = SpotTrainer(drafter, SpotConfig(), seed=0)
@@ -132,6 +135,9 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
     decode_s_before, accepted_before, row_steps_before = (
         spec.stats.decode_s, stats.num_accepted, sum(stats.accept_len_hist))
     steps_before = (stats.num_plain_steps, stats.num_spec_steps)
+    tested_before, accepted_by_depth_before = list(stats.tested_by_depth), list(stats.accepted_by_depth)
+    emitted_before = stats.num_emitted
+    draft_s_before, verify_s_before = stats.draft_s, stats.verify_s
     totals = _race({"plain": plain, "spec": spec}, [Request(i, 0, p, sampling) for i, p in enumerate(prompts)], batch)
     (plain_tokens, plain_s, plain_cpu_s), (spec_tokens, spec_s, spec_cpu_s) = totals["plain"], totals["spec"]
     # Decode throughput: time in decode steps (BackendStats.decode_s; admission and prefill, identical
@@ -141,12 +147,25 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
     cpu_ratio = (spec_tokens / spec_cpu_s) / (plain_tokens / plain_cpu_s)
     accepted, row_steps = stats.num_accepted - accepted_before, sum(stats.accept_len_hist) - row_steps_before
     num_plain, num_spec = stats.num_plain_steps - steps_before[0], stats.num_spec_steps - steps_before[1]
+    # Where a speculative step's time goes, against a plain step (the speedup is tokens per speculative
+    # step times plain step time over speculative step time).
+    num_spec_steps = max(num_spec, 1)
+    costs = {"plain_step_ms": 1e3 * plain.stats.decode_s / max(plain.stats.num_steps, 1),
+             "spec_draft_ms": 1e3 * (stats.draft_s - draft_s_before) / num_spec_steps,
+             "spec_verify_ms": 1e3 * (stats.verify_s - verify_s_before) / num_spec_steps,
+             "emitted_per_spec_step": (stats.num_emitted - emitted_before) / num_spec_steps / batch}
+    tested = [now - before for now, before in zip(stats.tested_by_depth, tested_before, strict=True)]
+    by_depth = [round((now - before) / t, 3) for now, before, t in
+                zip(stats.accepted_by_depth, accepted_by_depth_before, tested, strict=True) if t]
     log(f"batch {batch}: decode plain {rate_plain:.0f} tok/s, spec {rate_spec:.0f} tok/s, speedup "
         f"{rate_spec / rate_plain:.2f} (with prefill {with_prefill:.2f}, CPU time {cpu_ratio:.2f}); bandit's k "
         f"{bandit.best(batch)}, {accepted / max(row_steps, 1):.2f} accepted per row-step, {num_plain} of "
-        f"{num_plain + num_spec} steps plain")
+        f"{num_plain + num_spec} steps plain; plain step {costs['plain_step_ms']:.2f} ms, speculative step: "
+        f"drafting {costs['spec_draft_ms']:.2f} ms + verifying {costs['spec_verify_ms']:.2f} ms + bookkeeping, "
+        f"{costs['emitted_per_spec_step']:.2f} tokens per row")
     return {"plain": rate_plain, "spec": rate_spec, "speedup": rate_spec / rate_plain, "with_prefill": with_prefill,
-            "speedup_cpu": cpu_ratio, "best_k": bandit.best(batch), "accepted": accepted, "row_steps": row_steps}
+            "speedup_cpu": cpu_ratio, "best_k": bandit.best(batch), "accepted": accepted, "row_steps": row_steps,
+            "accept_rate_by_depth": by_depth, **costs}
 
 
 def _token_histogram(model, eos, prompts, drafter, seed: int):
@@ -184,8 +203,8 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     tokenizer = load_tokenizer(model_path)
     eos = eos_token_ids(model, tokenizer)
     drafter = Drafter.for_policy(model, seed=0)
-    traces = _collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
-    figures = _train(drafter, traces, sizes["train_s"], log)
+    traces = collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
+    figures = train_drafter(drafter, traces, sizes["train_s"], log)
     decode_prompts = _prompts(tokenizer, sizes["num_decode_prompts"], seed=2, min_chars=20)
     warmup_prompts = _prompts(tokenizer, sizes["num_warmup_prompts"], seed=4, min_chars=20)
     by_batch = {b: _throughput(model, drafter, eos, decode_prompts, warmup_prompts, b, log) for b in BATCH_SIZES}
@@ -207,6 +226,11 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
         "speedup_cpu_time_with_prefill_by_batch": {str(b): round(r["speedup_cpu"], 3) for b, r in by_batch.items()},
         "bandit_k_by_batch": {str(b): r["best_k"] for b, r in by_batch.items()},
         "mean_accept_len": round(accepted / max(row_steps, 1), 3),
+        "accept_rate_by_depth": one["accept_rate_by_depth"],
+        "plain_step_ms": round(one["plain_step_ms"], 3),
+        "spec_draft_ms": round(one["spec_draft_ms"], 3),
+        "spec_verify_ms": round(one["spec_verify_ms"], 3),
+        "emitted_per_spec_step": round(one["emitted_per_spec_step"], 3),
         "tv_distance": round(tv, 4),
         "tv_noise_floor": round(floor, 4),
         "speedup_target": SPEEDUP_TARGET,
