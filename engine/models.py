@@ -39,6 +39,17 @@ def check_supported(config: Any) -> None:
                          f"Mistral, Qwen2 and Qwen3 families (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
+def sliding_window(config: Any) -> int | None:
+    """The sliding window some attention layers use, or None when every layer attends fully."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 def _torch_dtype(dtype: Any):
     import torch
 

@@ -33,7 +33,7 @@ from engine.generator.kv import SlotKVCache
 from engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
 from engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
 from engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
-from engine.models import check_supported
+from engine.models import check_supported, sliding_window
 from protocol.messages import SamplingParams, WorkItem
 
 _NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
@@ -161,7 +161,7 @@ class TorchBackend:
         if config._attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"the torch backend needs attn_implementation 'sdpa' or 'eager', got "
                              f"{config._attn_implementation!r}")
-        window = _sliding_window(config)
+        window = sliding_window(config)
         if window is not None and max_model_len > window:
             raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window {window}; the torch "
                              "backend supports sliding-window models only within their window")
@@ -595,14 +595,3 @@ class TorchBackend:
 def _empty_completion() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32),
             torch.zeros(0, dtype=torch.long))
-
-
-def _sliding_window(config) -> int | None:
-    """The sliding window some attention layers use, or None when every layer attends fully."""
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
