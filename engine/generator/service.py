@@ -21,7 +21,9 @@ import collections
 import enum
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,15 @@ log = logging.getLogger("tailrace.generator")
 EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
 DRAFTER_STEPS_PER_TURN = 64  # drafter training steps per idle turn (each yields to arriving work)
 DRAFTER_PUBLISH_STEPS = 200  # spot-training steps between announcing our drafter to the trainer
+
+
+def background_priority() -> None:
+    """Lower the calling thread to nice 19. Drafter training is opportunistic work: on a host whose CPUs
+    it shares with the trainer or other generators it should only take CPU time nobody else wants."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: per thread
+    except (AttributeError, OSError):  # elsewhere, or not permitted: train at normal priority
+        pass
 
 
 class Action(enum.Enum):
@@ -105,6 +116,7 @@ class GeneratorService:
                                     eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device,
                                     tree=tree)
         self.spot = None
+        self.spot_thread: ThreadPoolExecutor | None = None
         if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
             from engine.modelled import ModelledBackend, load_costs
 
@@ -118,6 +130,8 @@ class GeneratorService:
             self.bandit = SpecBandit()
             self.backend.enable_speculation(drafter, self.bandit)
             self.spot = SpotTrainer(drafter)
+            self.spot_thread = ThreadPoolExecutor(1, thread_name_prefix="drafter-training",
+                                                  initializer=background_priority)
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
@@ -160,6 +174,8 @@ class GeneratorService:
                 for task in (recv, stats):
                     task.cancel()
                 await asyncio.gather(recv, stats, return_exceptions=True)
+                if self.spot_thread is not None:
+                    self.spot_thread.shutdown(wait=False, cancel_futures=True)
         return self.state.shutdown or ""
 
     def refresh(self) -> None:
@@ -206,7 +222,8 @@ class GeneratorService:
             elif action is Action.TRAIN_DRAFTER:
                 self.status = "drafter_training"
                 self.wakeup.clear()  # any message from the trainer stops training within one step
-                await asyncio.to_thread(self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.spot_thread, self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
                 self.backend.drafter_changed()
                 await self.maybe_publish_drafter()
                 if not self.wakeup.is_set():

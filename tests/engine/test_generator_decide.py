@@ -2,8 +2,14 @@
 then asking for work, then decoding."""
 
 import collections
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
-from engine.generator.service import Action, GenState, decide
+import pytest
+
+from engine.generator.service import Action, GenState, background_priority, decide
 from protocol.messages import WorkItem
 
 
@@ -58,3 +64,13 @@ def test_idle_generator_trains_the_drafter_and_work_comes_first():
     assert decide(state(num_running=1, request_outstanding=True, drafter_has_data=True)) is Action.DECODE
     busy = state(drafter_has_data=True, pending_items=collections.deque([item()]))
     assert decide(busy) is Action.ADMIT
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_drafter_training_thread_runs_at_background_priority():
+    # The generator trains its drafter in a thread made by this initializer: nice 19 there, the
+    # process's other threads (decoding, the event loop) untouched.
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadPoolExecutor(1, initializer=background_priority) as pool:
+        niceness = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert niceness == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
