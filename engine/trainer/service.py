@@ -86,8 +86,9 @@ class TrainerService:
 
             patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
         state: dict[str, Any] = {}
-        if resume:
-            state = checkpoint.load(checkpoint.latest(self.run_dir / "checkpoint"), self.learner)
+        resume_from = checkpoint.latest(self.run_dir / "checkpoint") if resume else None
+        if resume_from is not None:
+            state = checkpoint.load(resume_from, self.learner)
         position = state.get("data_position", {})
         counters = state.get("counters", {})
         max_prompt = cfg.data.max_prompt_tokens or self.max_model_len - cfg.sampling.max_new_tokens
@@ -113,6 +114,8 @@ class TrainerService:
         self.drafter_fetch: tuple[bytes, WeightsAssembler] | None = None  # (source peer id, its chunks so far)
         self.drafter_fetch_started_s = 0.0  # time.monotonic()
         self.drafter_state: dict[str, torch.Tensor] | None = None  # the served drafter, for checkpoints
+        if resume_from is not None:
+            self.restore_drafter(resume_from)
         self.sink = make_sink(self.run_dir)
         self.counters: collections.Counter[str] = collections.Counter()
         self.state = "starting"
@@ -426,6 +429,21 @@ class TrainerService:
             return
         self.drafter_fetch = None
         await self.publish_drafter(max(self.drafter_version() + 1, msg.version), tensors, source=peer.name)
+
+    def restore_drafter(self, folder: Path) -> None:
+        """Serve again the drafter saved with checkpoint `folder`, if any, as its version: generators get
+        it when they join, as they would have from the run before."""
+        path = folder / DRAFTER_FILE
+        if not path.is_file():
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as saved:
+            version = int((saved.metadata() or {}).get("version", "1"))
+            tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (not a dict)
+        self.store.publish("drafter", max(version, 1), tensors)
+        self.drafter_state = tensors
+        log.info("drafter v%d restored from %s", max(version, 1), folder)
 
     async def publish_drafter(self, version: int, tensors: dict[str, torch.Tensor], *, source: str) -> None:
         notice = self.store.publish("drafter", version, tensors)

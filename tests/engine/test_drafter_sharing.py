@@ -25,12 +25,12 @@ from protocol import messages as m
 from protocol.transport import Client
 
 
-def make_service(tmp_path):
+def make_service(tmp_path, resume: bool = False):
     cfg = load_config(None, ["--train.steps", "1", "--train.groups_per_step", "1", "--sampling.group_size", "4",
                              "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
                              "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "drafters",
                              "--trainer.heartbeat_interval_s", "0.2"])
-    return TrainerService(cfg)
+    return TrainerService(cfg, resume=resume)
 
 
 async def wait_bound(service):
@@ -79,7 +79,7 @@ async def wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.timeout(120)
-async def test_trainer_relays_a_generator_drafter_to_the_others(tmp_path):
+async def test_trainer_relays_a_generator_drafter_to_the_others_and_serves_it_after_resume(tmp_path):
     service = make_service(tmp_path)
     run = asyncio.create_task(service.run())
     address = await wait_bound(service)
@@ -128,6 +128,22 @@ async def test_trainer_relays_a_generator_drafter_to_the_others(tmp_path):
             assert torch.equal(saved["proj.weight"], drafter_state(2.0)["proj.weight"])
     finally:
         service.request_stop("test over")
+        await asyncio.wait_for(run, 60)
+    # Resumed, the trainer serves the checkpoint's drafter again: a joining generator is told of v5.
+    resumed = make_service(tmp_path, resume=True)
+    assert resumed.drafter_version() == 5
+    assert torch.equal(resumed.drafter_state["norm.weight"], drafter_state(2.0)["norm.weight"])
+    run = asyncio.create_task(resumed.run())
+    address = await wait_bound(resumed)
+    try:
+        async with Client(address, role="generator", name="d", max_inflight=8, capabilities=caps) as d:
+            assert (await asyncio.wait_for(d.connect(), 10)).drafter_version == 5
+            notice = await recv_kind(d, m.WeightsNotice)
+            assert (notice.model, notice.version) == ("drafter", 5)
+            got = await fetch_all(d, notice)
+            assert all(torch.equal(got[k], v) for k, v in drafter_state(2.0).items())
+    finally:
+        resumed.request_stop("test over")
         await asyncio.wait_for(run, 60)
 
 
