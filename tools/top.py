@@ -4,7 +4,8 @@
 
 Connects as a read-only tool, listens to the trainer's notice socket for one round of Stats (every
 process publishes one per trainer.stats_interval_s) and prints them: role, name, state, policy version,
-queue depths and throughput. Without --once it refreshes until Ctrl-C.
+queue depths and throughput (and speculation's acceptance and drafter version on generators that
+speculate). Without --once it refreshes until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def render(snapshot: dict) -> str:
         elif s["role"] == "generator":
             hi = (f"running {c.get('generator/queue/running', 0):.0f}  waiting {c.get('generator/queue/waiting', 0):.0f}"
                   f"  {c.get('generator/throughput/wall_tokens_per_s', 0):.0f} tok/s")
+            if c.get("generator/spec/spec_steps", 0):
+                hi += (f"  spec: {c.get('generator/spec/mean_accept_len', 0):.2f} drafts accepted/step "
+                       f"({c.get('generator/spec/accept_rate', 0):.0%}), drafter v"
+                       f"{c.get('generator/spec/drafter_version', 0):.0f}")
         else:
             hi = "  ".join(f"{k.rsplit('/', 1)[-1]} {v:g}" for k, v in list(c.items())[:4])
         lines.append(f"{name:<14}{s['role']:<11}{s['state']:<17}{s['policy_version']:>8}  {hi}")
