@@ -160,7 +160,7 @@ def block_causal_mask(segments_RT: torch.Tensor) -> torch.Tensor:
     return (same_RTT & (index_T[None, :] <= index_T[:, None]))[:, None]
 
 
-class _KeyRecorder:
+class KeyRecorder:
     """Stands in for the KV cache in a training forward: keeps the new keys/values it is handed and
     returns them after `earlier` ones (a pair of [R, h, T, d] tensors), if any."""
 
@@ -185,7 +185,7 @@ def drafter_passes(drafter: Drafter, packed: Packed, unroll: bool) -> list[tuple
     to its own key only: exactly what a draft forward sees, whose cache holds keys computed from true
     features (the catch-up) up to the pending token."""
     causal = block_causal_mask(packed.segments_RT)
-    teacher = _KeyRecorder()
+    teacher = KeyRecorder()
     pred_RTH = drafter(packed.ids_RT, packed.features_RTH, packed.positions_RT, causal, cache=teacher)
     passes = [("tf", pred_RTH)]
     if unroll:
@@ -193,7 +193,7 @@ def drafter_passes(drafter: Drafter, packed: Packed, unroll: bool) -> list[tuple
         shifted = torch.cat((torch.zeros_like(pred_RTH[:, :1]), pred_RTH[:, :-1].detach()), dim=1)
         own_TT = torch.eye(causal.shape[-1], dtype=torch.bool, device=causal.device)
         mask = torch.cat((causal & ~own_TT, own_TT.expand_as(causal)), dim=-1)  # [R, 1, T, 2T]
-        cache = _KeyRecorder(earlier=(teacher.keys, teacher.values))
+        cache = KeyRecorder(earlier=(teacher.keys, teacher.values))
         passes.append(("unroll", drafter(packed.ids_RT, shifted.masked_fill(first_RT1, 0.0), packed.positions_RT,
                                          mask, cache=cache)))
     return passes

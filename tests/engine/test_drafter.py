@@ -12,10 +12,10 @@ from engine.generator.backend import Request, TorchBackend
 from engine.generator.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
 from engine.generator.speculative import FixedDepth, Trace
 from engine.generator.spot import (
+    KeyRecorder,
     SpotConfig,
     SpotTrainer,
     TraceBuffer,
-    _KeyRecorder,
     block_causal_mask,
     drafter_passes,
     pack,
@@ -196,11 +196,11 @@ def test_unrolled_pass_is_what_the_second_draft_sees(model):
         features = torch.cat((torch.zeros_like(hidden[:1]), hidden[:-1]))[None]
         for t in range(1, ids.numel()):
             # catch-up over 0..t-1 with true features, then one draft forward at t
-            catch_up = _KeyRecorder()
+            catch_up = KeyRecorder()
             causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
             pred = drafter(ids[None, :t], features[:, :t], torch.arange(t)[None], causal, cache=catch_up)
             draft = drafter(ids[None, t:t + 1], pred[:, -1:], torch.tensor([[t]]), torch.ones(1, 1, 1, t + 1, dtype=torch.bool),
-                            cache=_KeyRecorder(earlier=(catch_up.keys, catch_up.values)))
+                            cache=KeyRecorder(earlier=(catch_up.keys, catch_up.values)))
             torch.testing.assert_close(unrolled[0, col + t], draft[0, 0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(teacher[0, col + t - 1], pred[0, -1], atol=1e-5, rtol=1e-5)
         col += ids.numel()

@@ -19,7 +19,7 @@ from engine.generator.drafter import Drafter
 from engine.generator.kv import SlotKVCache
 from engine.generator.sampling import SamplingBatch, processed_logprobs
 from engine.generator.speculative import FixedDepth, accept_drafts
-from engine.generator.spot import SpotConfig, SpotTrainer
+from engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
 from protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
@@ -365,14 +365,6 @@ def test_every_arm_combination_runs(model, trained_drafter):
         assert done[i, 0].completion_ids.tolist() == greedy_reference(model, p, 15)
 
 
-class RecordingCache:
-    """Stands in for the KV cache in a cache-less drafter forward and keeps its keys/values."""
-
-    def update(self, keys, values, layer_idx):
-        self.keys, self.values = keys, values
-        return keys, values
-
-
 def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
     # After speculative and plain steps, every drafter key/value left of the stale window equals the
     # drafter run over the row's tokens with the policy's true hidden states (full recompute).
@@ -396,7 +388,7 @@ def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
             hidden = model.model(tokens[None]).last_hidden_state
             features = torch.cat((torch.zeros_like(hidden[:, :1]), hidden[:, :-1]), dim=1)
             causal = torch.ones(len(cols), len(cols), dtype=torch.bool).tril()[None, None]
-            cache = RecordingCache()
+            cache = KeyRecorder()
             trained_drafter(tokens[None], features, torch.arange(len(cols))[None], causal, cache=cache)
         assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
         torch.testing.assert_close(kv.keys[spec.layer][row][:, cols], cache.keys[0], atol=1e-4, rtol=1e-4)
