@@ -436,11 +436,16 @@ class TrainerService:
         path = folder / DRAFTER_FILE
         if not path.is_file():
             return
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as saved:
-            version = int((saved.metadata() or {}).get("version", "1"))
-            tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (not a dict)
+        try:
+            with safe_open(str(path), framework="pt") as saved:
+                version = int((saved.metadata() or {}).get("version", "1"))
+                tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (not a dict)
+        except (OSError, ValueError, SafetensorError) as exc:
+            # The drafter only speeds decoding up: the run resumes without it and generators train anew.
+            log.warning("drafter in %s not restored (%s); generators start from their own", path, exc)
+            return
         self.store.publish("drafter", max(version, 1), tensors)
         self.drafter_state = tensors
         log.info("drafter v%d restored from %s", max(version, 1), folder)

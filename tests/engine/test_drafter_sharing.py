@@ -145,6 +145,11 @@ async def test_trainer_relays_a_generator_drafter_to_the_others_and_serves_it_af
     finally:
         resumed.request_stop("test over")
         await asyncio.wait_for(run, 60)
+    # A damaged drafter file costs the drafter, not the run.
+    for folder in (tmp_path / "drafters" / "checkpoint").iterdir():
+        if (folder / DRAFTER_FILE).is_file():
+            (folder / DRAFTER_FILE).write_bytes(b"not safetensors")
+    assert make_service(tmp_path, resume=True).drafter_version() == 0
 
 
 # ---------------------------------------------------------------------------------------- generator side
