@@ -166,7 +166,8 @@ class Drafter(nn.Module):
         qkv = F.linear(normed, self.qkv.weight).view(batch, num_new, num_qk + c.num_kv_heads, c.head_dim)
         qkv = qkv.transpose(1, 2)  # [B, heads of q, k and v, T, d]
         if self._rope_turns.device != x.device:
-            self._rope_turns = self._rope_turns.to(x.device)
+            with torch.inference_mode(False):  # kept for training too, so never an inference tensor
+                self._rope_turns = self._rope_turns.to(x.device)
         qk = _rotate(qkv[:, :num_qk], self._rope_turns[positions_BT][:, None])  # q and k in one go
         q, k, v = qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, num_qk:]
         if cache is not None:

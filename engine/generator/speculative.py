@@ -235,7 +235,9 @@ class SpeculativeDecoder:
         cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
         hidden = torch.cat((self.feats_RCH[row, cols[1:]], self.pending_feat_RH[row, None]))
         assert hidden.shape[0] == tokens.numel() - 1, "trace: hidden states and tokens out of step"
-        self.traces.append(Trace(tokens.cpu(), hidden.cpu(), self.backend.policy_version, num_prompt_tokens))
+        with torch.inference_mode(False):  # ordinary tensors: the spot trainer learns from them
+            trace = Trace(tokens.cpu().clone(), hidden.cpu().clone(), self.backend.policy_version, num_prompt_tokens)
+        self.traces.append(trace)
 
     # ------------------------------------------------------------------ the speculative step
 

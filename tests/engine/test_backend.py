@@ -316,3 +316,31 @@ def test_load_model_round_trip(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         load_model(tmp_path, dtype="float8")
     assert TINY_MODEL_PATH.parts[-2:] == ("examples", "tiny")
+
+
+def test_outputs_are_ordinary_tensors_that_autograd_accepts():
+    # The backend decodes under inference_mode; what it hands out (finished, cancelled, traces) must
+    # be ordinary tensors, since a trainer in the same process builds autograd graphs on them.
+    from engine.generator.drafter import Drafter
+    from engine.generator.speculative import FixedDepth
+
+    model = make_model("qwen2")
+    backend = TorchBackend(model, max_batch_size=2, max_model_len=32)
+    backend.enable_speculation(Drafter.for_policy(model), FixedDepth(2))
+    ps = prompts(3, seed=31)
+    for i, p in enumerate(ps):
+        backend.add(Request(i, 0, p, SamplingParams(temperature=1.0, max_new_tokens=4 if i == 0 else 20)))
+    done = []
+    while not done:
+        done = backend.step()
+    done += backend.cancel([1, 2])  # one running, one waiting
+    assert {f.finish_reason for f in done} >= {"length", "cancelled"}
+    traces = backend.take_traces()
+    outputs = [t for f in done for t in (f.completion_ids, f.behaviour_logprobs, f.policy_versions)]
+    outputs += [t for trace in traces for t in (trace.tokens, trace.hidden)]
+    assert traces and not any(t.is_inference() for t in outputs)
+    weight = torch.randn(64, 3, requires_grad=True)
+    loss = sum((torch.nn.functional.embedding(f.completion_ids, weight) * f.behaviour_logprobs[:, None]).sum()
+               for f in done)
+    loss.backward()  # the ids and log-probs were saved for backward: inference tensors would raise
+    assert weight.grad is not None
