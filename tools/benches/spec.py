@@ -19,7 +19,8 @@ throughput: tokens per second of decode steps, wall clock; admission and prefill
 the same work in both), the same end to end with prefill and in CPU time, mean_accept_len (accepted
 drafts per row and speculative step), tv_distance and tv_noise_floor; target speedup >= 1.8. CPU-time
 ratios are less disturbed by other processes on a shared machine. At batch 1, what the speedup is made
-of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all before it were),
+of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all before it were; over
+accept_tested_by_depth row-steps: the deepest are tried only when the bandit explores deep arms),
 plain_step_ms, spec_draft_ms and spec_verify_ms (per speculative step) and emitted_per_spec_step.
 TAILRACE_BENCH_MODEL=PATH benchmarks another checkpoint.
 """
@@ -165,7 +166,7 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
         f"{costs['emitted_per_spec_step']:.2f} tokens per row")
     return {"plain": rate_plain, "spec": rate_spec, "speedup": rate_spec / rate_plain, "with_prefill": with_prefill,
             "speedup_cpu": cpu_ratio, "best_k": bandit.best(batch), "accepted": accepted, "row_steps": row_steps,
-            "accept_rate_by_depth": by_depth, **costs}
+            "accept_rate_by_depth": by_depth, "accept_tested_by_depth": [t for t in tested if t], **costs}
 
 
 def _token_histogram(model, eos, prompts, drafter, seed: int):
@@ -227,6 +228,7 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
         "bandit_k_by_batch": {str(b): r["best_k"] for b, r in by_batch.items()},
         "mean_accept_len": round(accepted / max(row_steps, 1), 3),
         "accept_rate_by_depth": one["accept_rate_by_depth"],
+        "accept_tested_by_depth": one["accept_tested_by_depth"],
         "plain_step_ms": round(one["plain_step_ms"], 3),
         "spec_draft_ms": round(one["spec_draft_ms"], 3),
         "spec_verify_ms": round(one["spec_verify_ms"], 3),
