@@ -411,13 +411,7 @@ class TorchBackend:
     def _add_clones(self, sources: list[int], clones: list[_Seq]) -> None:
         """Append clone rows that continue from rows `sources`: same cache, outputs and budget."""
         first = len(self._seqs)
-        self._kv.copy_rows(sources, first)
-        index = torch.tensor(sources, dtype=torch.long, device=self.device)
-        dest = slice(first, first + len(sources))
-        spec_states = () if self._spec is None else self._spec.row_states()
-        for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
-                      self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
-            state[dest] = state[index]
+        self._move_rows(sources, list(range(first, first + len(sources))))
         self._seqs.extend(clones)
         self._sampling = None
 
@@ -572,18 +566,29 @@ class TorchBackend:
         return out
 
     def _remove_rows(self, drop: set[int]) -> None:
-        keep = [i for i in range(len(self._seqs)) if i not in drop]
-        self._kv.keep_rows(keep)
-        if keep != list(range(len(keep))):
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            spec_states = () if self._spec is None else self._spec.row_states()
-            for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
-                          self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
-                state[: len(keep)] = state[index]
-        self._seqs = [self._seqs[i] for i in keep]
+        """Swap-remove: the last rows that stay move into the holes, so removing d rows copies at most d
+        rows of cache and state, not the whole batch (rows have no order that matters)."""
+        num_keep = len(self._seqs) - len(drop)
+        holes = sorted(row for row in drop if row < num_keep)
+        movers = [row for row in range(num_keep, len(self._seqs)) if row not in drop]
+        if holes:
+            self._move_rows(movers, holes)
+            for source, dest in zip(movers, holes, strict=True):
+                self._seqs[dest] = self._seqs[source]
+        del self._seqs[num_keep:]
         self._sampling = None
         # Leaving rows may have been the longest ones: narrowing the window shortens attention.
-        self._kv.trim_lo(len(keep))
+        self._kv.trim_lo(num_keep)
+
+    def _move_rows(self, sources: list[int], dests: list[int]) -> None:
+        """Copy the cache and state of rows `sources` over rows `dests`, pairwise (not self._seqs)."""
+        self._kv.copy_rows(sources, dests)
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dests, dtype=torch.long, device=self.device)
+        spec_states = () if self._spec is None else self._spec.row_states()
+        for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
+                      self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
+            state[dst] = state[src]
 
     def _finished(self, seq: _Seq, completion: Sequence[torch.Tensor], reason: str) -> Finished:
         now = time.monotonic()

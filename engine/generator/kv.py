@@ -158,31 +158,20 @@ class SlotKVCache:
         else:
             self.lo = self.end
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Compact the rows listed in `keep` (in order) into rows 0..len(keep)-1."""
-        if keep == list(range(len(keep))):
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        lo, end, num = self.lo, self.end, len(keep)
-        for buf in self._key_buffers():
-            buf[:num, :, lo:end] = buf[index, :, lo:end]
-        for buf in self.column_states:
-            buf[:num, lo:end] = buf[index, lo:end]
-        self.valid_RC[:num] = self.valid_RC[index]
-
-    def copy_rows(self, sources: list[int], first_row: int) -> None:
-        """Copy the cached columns of rows `sources` into rows first_row.. (tree sampling's forks): the
-        copies hold the same keys/values at the same columns, so they continue as if decoded alone."""
+    def copy_rows(self, sources: list[int], dests: list[int]) -> None:
+        """Copy the cached columns of rows `sources` over rows `dests`, pairwise (removing rows fills
+        holes this way; tree sampling's forks make clones): the copies hold the same keys/values at the
+        same columns, so they continue as if decoded alone."""
         if not sources:
             return
-        index = torch.tensor(sources, dtype=torch.long, device=self.device)
-        dest = slice(first_row, first_row + len(sources))
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dests, dtype=torch.long, device=self.device)
         lo, end = self.lo, self.end
         for buf in self._key_buffers():
-            buf[dest, :, lo:end] = buf[index, :, lo:end]
+            buf[dst, :, lo:end] = buf[src, :, lo:end]
         for buf in self.column_states:
-            buf[dest, lo:end] = buf[index, lo:end]
-        self.valid_RC[dest] = self.valid_RC[index]
+            buf[dst, lo:end] = buf[src, lo:end]
+        self.valid_RC[dst] = self.valid_RC[src]
 
     def compact(self, num_rows: int) -> None:
         """Squeeze the holes out of rows 0..num_rows-1: each row's valid columns keep their order and
