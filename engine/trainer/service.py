@@ -87,6 +87,8 @@ class TrainerService:
             patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
         state: dict[str, Any] = {}
         resume_from = checkpoint.latest(self.run_dir / "checkpoint") if resume else None
+        if resume and resume_from is None:
+            raise ValueError(f"--resume: {self.run_dir}/checkpoint holds no complete checkpoint")
         if resume_from is not None:
             state = checkpoint.load(resume_from, self.learner)
         position = state.get("data_position", {})
