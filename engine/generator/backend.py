@@ -527,7 +527,7 @@ class TorchBackend:
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
         emit_counts = num_emit_B.tolist()  # one sync for the total and the widest row
         num_emitted = sum(emit_counts)
-        self._spec.commit(k, tokens_BN, num_emit_B, hidden_BNH, num_accepted_B, num_emitted, max(emit_counts))
+        self._spec.commit(k, tokens_BN, num_emit_B, emit_counts, hidden_BNH, num_accepted_B)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
         self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)

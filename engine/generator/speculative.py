@@ -236,7 +236,8 @@ class SpeculativeDecoder:
         hidden = torch.cat((self.feats_RCH[row, cols[1:]], self.pending_feat_RH[row, None]))
         assert hidden.shape[0] == tokens.numel() - 1, "trace: hidden states and tokens out of step"
         with torch.inference_mode(False):  # ordinary tensors: the spot trainer learns from them
-            trace = Trace(tokens.cpu().clone(), hidden.cpu().clone(), self.backend.policy_version, num_prompt_tokens)
+            trace = Trace(tokens.to("cpu", copy=True), hidden.to("cpu", copy=True), self.backend.policy_version,
+                          num_prompt_tokens)
         self.traces.append(trace)
 
     # ------------------------------------------------------------------ the speculative step
@@ -326,11 +327,12 @@ class SpeculativeDecoder:
         p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
         return hidden_BNH, p_BNV
 
-    def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, hidden_BNH: torch.Tensor,
-               num_accepted_B: torch.Tensor, num_emitted: int, max_emit: int) -> None:
-        """Keep the fed columns of emitted tokens, drop the rest, advance the pending token. The
-        columns no row keeps (past the widest row's max_emit) are handed back: end advances by
-        max_emit, not k + 1, so a batch of one never leaves holes and attention windows stay short."""
+    def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, emit_counts: list[int],
+               hidden_BNH: torch.Tensor, num_accepted_B: torch.Tensor) -> None:
+        """Keep the fed columns of emitted tokens, drop the rest, advance the pending token (emit_counts:
+        num_emit_B on the host). The columns no row keeps (past the widest row's emitted tokens) are
+        handed back: end advances by that many, not k + 1, so a batch of one never leaves holes and
+        attention windows stay short."""
         b, kv = self.backend, self.backend._kv
         num_rows = tokens_BN.shape[0]
         rows, end = slice(0, num_rows), kv.end
@@ -342,12 +344,13 @@ class SpeculativeDecoder:
         self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
         last_B = num_emit_B - 1
         self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
+        max_emit = max(emit_counts)
         kv.end = end + max_emit
         # The pending column's drafter keys/values were computed from its true feature; the emitted
         # drafts after it were fed predicted features, so they are recomputed at the next step.
         self.stale_back = max_emit - 1
         self.stats.num_drafted += k * num_rows
-        self.stats.num_emitted += num_emitted
+        self.stats.num_emitted += sum(emit_counts)
         self.stats.record(k, torch.bincount(num_accepted_B, minlength=k + 1).tolist())  # one sync
 
 
