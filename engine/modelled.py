@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from engine.generator.backend import BackendStats, Finished, Request, TorchBackend
+from engine.generator.backend import TorchBackend
+from engine.generator.requests import BackendStats, Finished, Request
 from engine.samples import TrainSample, flatten_samples
 from engine.trainer.learner import plan_micro_batches
 

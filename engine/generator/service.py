@@ -237,7 +237,7 @@ class GeneratorService:
     def admit(self, item: m.WorkItem) -> list[m.Rollout]:
         """Queue the item's samples; if the backend refuses them (e.g. a prompt too long for this
         model), answer each with an "error" rollout so the trainer counts them instead of waiting."""
-        from engine.generator.backend import requests_for
+        from engine.generator.requests import requests_for
 
         try:
             for request in requests_for(item):  # all share the prompt: the first add fails or none does

@@ -17,7 +17,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.generator.backend import Request, TorchBackend, requests_for
+from engine.generator.backend import TorchBackend
+from engine.generator.requests import Request, requests_for
 from engine.generator.sampling import SamplingBatch, processed_logprobs
 from engine.models import SUPPORTED_MODEL_TYPES, TINY_MODEL_PATH, check_supported, load_model
 from protocol.messages import SamplingParams, WorkItem

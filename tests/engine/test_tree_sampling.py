@@ -8,8 +8,9 @@ Run: pytest tests/engine/test_tree_sampling.py
 import pytest
 import torch
 
-from engine.generator.backend import Request, TorchBackend, requests_for
+from engine.generator.backend import TorchBackend
 from engine.generator.drafter import Drafter
+from engine.generator.requests import Request, requests_for
 from engine.generator.speculative import FixedDepth
 from engine.generator.tree import TreeSampling, split_samples
 from protocol.messages import SamplingParams, WorkItem

@@ -1,0 +1,66 @@
+"""What goes into the torch backend and what comes out: requests (one sample each), finished samples,
+and the backend's counters. Kept apart from backend.py so that code handling samples (the generator
+service, the modelled backend) needs no decoding machinery.
+Test: pytest tests/engine/test_backend.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.messages import SamplingParams, WorkItem
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate. Samples of a group share group_id and prompt, differ in sample_id."""
+
+    group_id: int
+    sample_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def requests_for(item: WorkItem) -> list[Request]:
+    """The requests of one WorkItem: num_samples samples with consecutive sample ids."""
+    prompt = list(item.prompt_token_ids)
+    first = item.first_sample_id
+    return [Request(item.group_id, first + i, prompt, item.sampling) for i in range(item.num_samples)]
+
+
+@dataclass
+class Finished:
+    """A sample that left the backend. Tensors are 1-D, on the CPU, one entry per completion token.
+
+    finish_reason: "stop" (a stop token or eos was sampled; it is the last completion token),
+    "length" (max_new_tokens or max_model_len reached) or "cancelled". queue_s: seconds from add()
+    to the first sampled token; decode_s: from the first token to the finish (time.monotonic)."""
+
+    group_id: int
+    sample_id: int
+    prompt_ids: list[int]
+    completion_ids: torch.Tensor      # int64 [T]
+    behaviour_logprobs: torch.Tensor  # float32 [T], see sampling.py for the convention
+    policy_versions: torch.Tensor     # int64 [T], the policy version that sampled each token
+    finish_reason: str
+    queue_s: float
+    decode_s: float
+
+
+@dataclass
+class BackendStats:
+    """Counters since construction; times are time.monotonic() seconds spent inside the backend."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of backend time (prefill included)."""
+        busy_s = self.prefill_s + self.decode_s
+        return self.num_generated_tokens / busy_s if busy_s > 0 else 0.0
