@@ -34,17 +34,16 @@ from engine.replay.attention import SegmentRows
 from engine.replay.forward import (
     DecoderSpec,
     activation_bytes_per_token,
-    decoder_spec,
     tree_forward,
 )
 from engine.replay.replay import (
     ReplayForwardBackward,
     default_budget_bytes,
-    prepare_sequence_loss,
+    prepare,
     trie_stats,
     unit_loss,
 )
-from engine.replay.trie import Trie, build_trie
+from engine.replay.trie import Trie
 from engine.samples import TrainSample
 from engine.trainer.loss import LossNormaliser, StepLoss
 
@@ -122,9 +121,7 @@ class PackedForwardBackward:
 
     def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
-        spec = decoder_spec(model)
-        trie = build_trie(samples)
-        prepare_sequence_loss(model, spec, trie, loss_fn, self.logprob_chunk_tokens)
+        spec, trie = prepare(model, samples, loss_fn, self.logprob_chunk_tokens)
         return self.run(model, spec, trie, loss_fn, normaliser)
 
     def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: StepLoss,
@@ -194,9 +191,7 @@ class AutoForwardBackward:
 
     def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
-        spec = decoder_spec(model)
-        trie = build_trie(samples)
-        prepare_sequence_loss(model, spec, trie, loss_fn, self.packed.logprob_chunk_tokens)
+        spec, trie = prepare(model, samples, loss_fn, self.packed.logprob_chunk_tokens)
         device = next(model.parameters()).device
         budget = self.replay.activation_budget_bytes
         budget = default_budget_bytes(device) if budget is None else budget

@@ -105,9 +105,7 @@ class ReplayForwardBackward:
 
     def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
-        spec = decoder_spec(model)
-        trie = build_trie(samples)
-        prepare_sequence_loss(model, spec, trie, loss_fn, self.logprob_chunk_tokens)
+        spec, trie = prepare(model, samples, loss_fn, self.logprob_chunk_tokens)
         return self.run(model, spec, trie, loss_fn, normaliser)
 
     def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: StepLoss,
@@ -310,6 +308,15 @@ def trie_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: i
         if int(trie.seg_num_children_S[seg]):
             path.append((seg, list(zip(keys, values, strict=True))))
     return out
+
+
+def prepare(model: nn.Module, samples: Sequence[TrainSample], loss_fn, chunk_rows: int) -> tuple[DecoderSpec, Trie]:
+    """What every strategy does first: the model's decoder spec and the samples' trie, with the
+    per-sample sequence losses set up (prepare_sequence_loss)."""
+    spec = decoder_spec(model)
+    trie = build_trie(samples)
+    prepare_sequence_loss(model, spec, trie, loss_fn, chunk_rows)
+    return spec, trie
 
 
 def prepare_sequence_loss(model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn, chunk_rows: int) -> None:
