@@ -21,6 +21,8 @@ from engine.generator.sampling import SamplingBatch, processed_logprobs
 from engine.generator.speculative import FixedDepth, accept_drafts
 from engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
 from protocol.messages import SamplingParams
+from tests.engine.test_backend import greedy_reference, prompts, reference_logits
+from tests.engine.test_backend import run as run_backend
 
 torch.set_num_threads(1)
 
@@ -44,35 +46,9 @@ def spec_backend(model, drafter, k: int, max_traces: int | None = None, **kwargs
     return backend
 
 
-def run(backend: TorchBackend, schedule: dict[int, list[Request]], max_steps: int = 1000):
-    """Step until idle; schedule[s] is added just before step s. Returns {(group, sample): Finished}."""
-    done = {}
-    for step in range(max_steps):
-        for request in schedule.get(step, []):
-            backend.add(request)
-        for fin in backend.step():
-            done[fin.group_id, fin.sample_id] = fin
-        if not backend.num_running and not backend.num_waiting and step >= max(schedule, default=0):
-            return done
-    raise AssertionError("backend did not finish")
-
-
-@torch.no_grad()
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0, -1].float()
-
-
-def greedy_reference(model, prompt: list[int], num_tokens: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        ids.append(int(reference_logits(model, ids).argmax()))
-    return ids[len(prompt):]
-
-
-def prompts(num: int, seed: int = 1, max_len: int = 12) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+def run(backend: TorchBackend, schedule: dict[int, list[Request]]):
+    """test_backend.run with room for the longer speculative schedules here."""
+    return run_backend(backend, schedule, max_steps=1000)
 
 
 @pytest.fixture(scope="module")
