@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     _set_title(args.role)
     try:
         if args.role == "run":
-            from engine.launch import main as role_main
+            from tailrace.engine.launch import main as role_main
         elif args.role == "trainer":
-            from engine.trainer.main import main as role_main
+            from tailrace.engine.trainer.main import main as role_main
         elif args.role == "generator":
-            from engine.generator.main import main as role_main
+            from tailrace.engine.generator.main import main as role_main
         else:
-            from engine.rewards import main as role_main
+            from tailrace.engine.reward_server import main as role_main
         return role_main(args, overrides) or 0
     except ValueError as exc:  # bad user input: one clear line, no traceback
         print(f"tailrace {args.role}: error: {exc}", file=sys.stderr)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.config import DataConfig
-from engine.trainer.controller import PromptRecord
+from tailrace.engine.config import DataConfig
+from tailrace.engine.trainer.controller import PromptRecord
 
 
 def _rows_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -79,7 +79,7 @@ class PromptSource:
         self._rows = self._synthetic_rows() if cfg.source == "synthetic" else self._file_rows(file_rows(cfg))
 
     def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
-        from engine.tasks import synthetic_prompts
+        from tailrace.engine.tasks import synthetic_prompts
 
         for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
             yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)

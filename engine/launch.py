@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig, TrainerConfig, load_config, to_toml
+from tailrace.engine.config import RunConfig, TrainerConfig, load_config, to_toml
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
@@ -74,7 +74,7 @@ class Launcher:
         self.failed = False
 
     def cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "engine.cli", *args]
+        return [sys.executable, "-m", "tailrace.engine.cli", *args]
 
     def start_trainer(self) -> tuple[Child, dict[str, Any]]:
         endpoint = self.run_dir / "endpoint.json"
@@ -99,7 +99,7 @@ class Launcher:
             argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path))
             self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
         if self.cfg.launch.reward_server:
-            argv = self.cli("reward", "--connect", address, "--fn", "engine.tasks:score", "--name", "reward-0")
+            argv = self.cli("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "reward-0")
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
         for child in self.children[1:]:
             child.start(self.env)
@@ -150,8 +150,8 @@ class Launcher:
 async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: bool) -> None:
     """Progress from the trainer's Stats: a bar (steps, reward, staleness, generated tokens/s) on a
     terminal, one line per step otherwise. Ends quietly when the trainer shuts down."""
-    from protocol import messages as m
-    from protocol.transport import Client, ConnectionLost
+    from tailrace.protocol import messages as m
+    from tailrace.protocol.transport import Client, ConnectionLost
 
     steps = None
     if bars:
@@ -221,7 +221,7 @@ def main(args: Any, overrides: list[str]) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
-    from protocol.transport import run
+    from tailrace.protocol.transport import run
 
     launcher = Launcher(cfg, config_path, run_dir, resume=args.resume, progress=not args.no_progress)
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from engine.generator.backend import TorchBackend
-from engine.generator.requests import BackendStats, Finished, Request
-from engine.samples import TrainSample, flatten_samples
-from engine.trainer.learner import plan_micro_batches
+from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.generator.requests import BackendStats, Finished, Request
+from tailrace.engine.samples import TrainSample, flatten_samples
+from tailrace.engine.trainer.learner import plan_micro_batches
 
 COSTS_FORMAT = 1
 

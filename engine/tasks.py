@@ -157,7 +157,7 @@ def score_task(task: str, prompt_text: str, completion_text: str, metadata: dict
 def score(prompt: str, completion: str, metadata: dict) -> float:
     """Reward-server entry point (SDK signature): dispatches on ``metadata["task"]``.
 
-    Run as a reward server: ``tailrace reward --connect ADDR --fn engine.tasks:score``.
+    Run as a reward server: ``tailrace reward --connect ADDR --fn tailrace.engine.tasks:score``.
     """
     task = metadata.get("task", DEFAULT_TASK) if isinstance(metadata, dict) else DEFAULT_TASK
     if not isinstance(task, str):

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.messages import WeightsChunk, WeightsNotice
+from tailrace.protocol.messages import WeightsChunk, WeightsNotice
 
 
 def check_same_layout(state: dict[str, Any], reference: dict[str, Any], what: str) -> None:

@@ -2,8 +2,8 @@
 
 Run it next to a trainer (the trainer logs the address it listens on):
     python examples/reward_server.py --connect tcp://127.0.0.1:PORT [--tasks copy,math] [--max-concurrency 16]
-The SDK (protocol/reward.py) handles the handshake, heartbeats, credits, concurrency and timeouts; this
-file is only the scoring rule. Test: pytest tests/protocol/test_reward.py -k example
+The SDK (protocol/reward_sdk.py) handles the handshake, heartbeats, credits, concurrency and timeouts; this
+file is only the scoring rule. Test: pytest tests/protocol/test_reward_sdk.py -k example
 """
 
 from __future__ import annotations
@@ -38,6 +38,6 @@ def score(prompt: str, completion: str, metadata: dict[str, Any]) -> dict[str, f
 
 
 if __name__ == "__main__":
-    from protocol.reward import main
+    from tailrace.protocol.reward_sdk import main
 
     sys.exit(main(score))

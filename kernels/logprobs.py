@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import interpreting, jit, tl, use_triton
+from tailrace.kernels._triton import interpreting, jit, tl, use_triton
 
 IMPLS = ("auto", "triton", "torch", "reference")
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._triton import interpreting, jit, tl, use_triton
+from tailrace.kernels._triton import interpreting, jit, tl, use_triton
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -1,5 +1,5 @@
 """The connecting side of the transport: Client, what every process but the trainer uses (DEALER for its
-session, plus SUB for notices after subscribe()). Private to protocol/: import it from protocol.transport,
+session, plus SUB for notices after subscribe()). Private to protocol/: import it from tailrace.protocol.transport,
 whose docstring draws the client-recv and client-heartbeat loops and how credits unblock send().
 Test: pytest tests/protocol/test_transport.py
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from protocol import codec
-from protocol._wire import (
+from tailrace.protocol import codec
+from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
     ConnectionLost,
@@ -30,8 +30,8 @@ from protocol._wire import (
     notice_connect_address,
     split_scheme,
 )
-from protocol.codec import Limits, ProtocolError
-from protocol.messages import (
+from tailrace.protocol.codec import Limits, ProtocolError
+from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
     ROLES,
     Credit,

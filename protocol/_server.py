@@ -1,5 +1,5 @@
 """The binding side of the transport: Server (the trainer's ROUTER for sessions + PUB for notices) and how it
-sees its peers (Peer, PeerEvent). Private to protocol/: import these from protocol.transport, whose
+sees its peers (Peer, PeerEvent). Private to protocol/: import these from tailrace.protocol.transport, whose
 docstring draws the server-recv and server-heartbeat loops and their bounds.
 Test: pytest tests/protocol/test_transport.py
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import zmq
 
-from protocol import codec
-from protocol._wire import (
+from tailrace.protocol import codec
+from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
     Endpoint,
@@ -24,8 +24,8 @@ from protocol._wire import (
     log,
     notice_bind_address,
 )
-from protocol.codec import Limits, ProtocolError
-from protocol.messages import (
+from tailrace.protocol.codec import Limits, ProtocolError
+from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
     Credit,
     Error,

@@ -1,7 +1,7 @@
 """The transport's shared machinery: errors, address grammar, the heartbeat clock, the error-reply rate
 limiter, Wire (one ZeroMQ socket driven by the asyncio loop through its ZMQ_FD) and Endpoint (what Server
 and Client share: supervised tasks, inbox, counters, sockets). Private to protocol/: import the public
-names from protocol.transport, whose docstring draws the loops.
+names from tailrace.protocol.transport, whose docstring draws the loops.
 Test: pytest tests/protocol/test_transport.py
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import zmq
 import zmq.backend
 
-from protocol.codec import Limits
-from protocol.messages import Credit, Heartbeat, Hello, Shutdown
+from tailrace.protocol.codec import Limits
+from tailrace.protocol.messages import Credit, Heartbeat, Hello, Shutdown
 
 log = logging.getLogger("tailrace.transport")
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgpack
 
-from protocol import messages  # noqa: F401  (registers every message class)
-from protocol.messages import PROTOCOL_VERSION, ErrorCode
-from protocol.schema import (
+from tailrace.protocol import messages  # noqa: F401  (registers every message class)
+from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode
+from tailrace.protocol.schema import (
     DTYPES,
     MESSAGE_CLASSES,
     ArraySpec,

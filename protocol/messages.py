@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.schema import Array, Scalar, message, struct, wire
+from tailrace.protocol.schema import Array, Scalar, message, struct, wire
 
 PROTOCOL_VERSION = 1
 """Version of the wire layout (frames and field order). Unrelated to the policy version of weights."""

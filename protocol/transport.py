@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from protocol._client import Client
-from protocol._server import Peer, PeerEvent, Server
-from protocol._wire import ConnectionLost, ConnectTimeout, Rejected, TransportError, generate_keypair
+from tailrace.protocol._client import Client
+from tailrace.protocol._server import Peer, PeerEvent, Server
+from tailrace.protocol._wire import ConnectionLost, ConnectTimeout, Rejected, TransportError, generate_keypair
 
 __all__ = ["Client", "ConnectTimeout", "ConnectionLost", "Peer", "PeerEvent", "Rejected", "Server",
            "TransportError", "generate_keypair", "run"]

@@ -1,14 +1,18 @@
 """Packaging and import hygiene, each in a fresh interpreter so import order is clean:
-- our top-level `kernels` package must not make transformers believe Hugging Face's `kernels` is installed;
+- the import names live under `tailrace.` (no top-level `engine`, `kernels`, `protocol`), so transformers never
+  mistakes us for Hugging Face's `kernels`, and both install side by side in one venv;
 - protocol/ imports nothing from engine/ or kernels/, and no torch unless a tensor is encoded or decoded.
 Run: pytest tests/test_packaging.py
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str, cwd) -> str:
@@ -22,34 +26,88 @@ def test_transformers_does_not_see_hugging_face_kernels(tmp_path):
     assert out == "False"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers maps the import name `kernels` to the `tailrace` distribution and reads its version "
-    "(0.1.0); is_kernels_available() is False only because 0.1.0 is below its minimum kernels version. "
-    "Renaming our top-level `kernels` package (or shipping it under a `tailrace` namespace) fixes this."))
 def test_transformers_probe_finds_no_kernels_distribution_of_any_version(tmp_path):
     out = run_python("from transformers.utils import import_utils as u; "
                      "print(u.is_kernels_available.__wrapped__('0.0.0', '999999'))", tmp_path)
     assert out == "False"
 
 
+def test_no_generic_top_level_import_names(tmp_path):
+    out = run_python("import importlib.util as u; "
+                     "print([n for n in ('engine', 'kernels', 'protocol', 'tailrace.engine') if u.find_spec(n)])",
+                     tmp_path)
+    assert out == "['tailrace.engine']"
+
+
+BOTH_INSTALLED = """
+import importlib.metadata as md, json, shutil, subprocess
+import kernels
+from transformers.utils import import_utils as u
+import tailrace.engine.cli, tailrace.protocol.codec as codec, tailrace.protocol.messages as m
+from tailrace.kernels.logprobs import chunked_logprobs
+import torch
+hidden, head = torch.randn(10, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+labels = torch.randint(0, 11, (10,))
+want = torch.log_softmax(hidden @ head.T, -1).gather(-1, labels[:, None])[:, 0]
+got = chunked_logprobs(hidden, head, labels, chunk_size=3)
+help_out = subprocess.run([shutil.which("tailrace"), "--help"], capture_output=True, text=True).stdout
+print(json.dumps({"hf_kernels": hasattr(kernels, "get_kernel") and "/site-packages/kernels/" in kernels.__file__,
+                  "kernels_version": md.version("kernels"),
+                  "transformers_sees_hf_kernels": u.is_kernels_available.__wrapped__("0.0.0", "999999"),
+                  "logprobs_ok": bool(torch.allclose(got, want)),
+                  "codec_ok": codec.decode(codec.encode(m.Heartbeat(seq=3))) == m.Heartbeat(seq=3),
+                  "console_script": "usage: tailrace" in help_out}))
+"""
+
+
+def test_tailrace_and_hugging_face_kernels_install_together(tmp_path):
+    """A fresh venv (reusing this one's torch/transformers through a .pth line, so nothing large is
+    downloaded) gets a built wheel of tailrace and PyPI's `kernels`: both import, both work."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = lambda exe: subprocess.run(  # noqa: E731
+        [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib(python)) / "base.pth").write_text(purelib(sys.executable) + "\n")
+    source = tmp_path / "src"
+    source.mkdir()  # a copy, so the wheel build writes no build/ into the checkout
+    for name in ("pyproject.toml", "README.md", "engine", "kernels", "protocol"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, source / name)
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", str(source), "kernels"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    done = subprocess.run([str(python), "-c", BOTH_INSTALLED], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures.pop("kernels_version")
+    assert figures == {"hf_kernels": True, "transformers_sees_hf_kernels": True, "logprobs_ok": True,
+                       "codec_ok": True, "console_script": True}, figures
+
+
 PROTOCOL_IMPORTS = """
 import importlib, json, pkgutil, sys
-import protocol
+import tailrace.protocol as protocol
 for info in pkgutil.iter_modules(protocol.__path__):
-    importlib.import_module("protocol." + info.name)
-from protocol.codec import decode, encode
-from protocol.messages import Score, ScoreRequest, Heartbeat, Hello, Work, WorkItem
+    importlib.import_module("tailrace.protocol." + info.name)
+from tailrace.protocol.codec import decode, encode
+from tailrace.protocol.messages import Score, ScoreRequest, Heartbeat, Hello, Work, WorkItem
 msgs = [ScoreRequest(request_id=1, task="t", prompt="p", completion="c", metadata={"a": 1}),
         Score(request_id=1, reward=0.5), Heartbeat(seq=1), Work(items=[WorkItem(group_id=1, prompt_token_ids=[1],
         num_samples=2)]), Hello(role="reward", name="r", protocol_version=1, package_version="0")]
 for m in msgs:
     assert decode(encode(m)) == m
-loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "engine", "kernels", "tools", "numpy"))
+loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "tailrace", "tools", "numpy"))
 print(json.dumps(loaded))
 """
 
 
 def test_protocol_imports_no_engine_and_no_torch_for_plain_messages(tmp_path):
     loaded = json.loads(run_python(PROTOCOL_IMPORTS, tmp_path))
-    assert not [n for n in loaded if n.split(".")[0] in ("engine", "kernels", "tools")], loaded
+    assert not [n for n in loaded if n.startswith(("tailrace.engine", "tailrace.kernels", "tools"))], loaded
     assert not [n for n in loaded if n.split(".")[0] == "torch"], "protocol imported torch without a tensor"

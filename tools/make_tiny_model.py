@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO_ROOT))
 
-from engine import tasks  # noqa: E402  (pure Python; torch is imported in main())
+from tailrace.engine import tasks  # noqa: E402  (pure Python; torch is imported in main())
 
 # The data stream the pretraining draws from; RL runs use other seeds of the same task.
 PRETRAIN_SEED_OFFSET = 1_000_000

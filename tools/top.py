@@ -18,13 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 async def collect(address: str, window_s: float, curve_server_key: bytes | None = None) -> dict:
     """Stats of every process seen within window_s on the notice socket, keyed by name."""
-    from protocol import messages as m
-    from protocol.transport import Client
+    from tailrace.protocol import messages as m
+    from tailrace.protocol.transport import Client
 
     snapshot: dict[str, dict] = {}
     async with Client(address, role="tool", name=f"top-{os.getpid()}", curve_server_key=curve_server_key) as client:
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long to listen for a round of Stats (default 2.5, > trainer.stats_interval_s)")
     parser.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
     args = parser.parse_args(argv)
-    from protocol.transport import run
+    from tailrace.protocol.transport import run
 
     key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
     try:

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.generator.kv import SlotKVCache
-from engine.generator.requests import BackendStats, Finished, Request
-from engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
-from engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
-from engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
-from engine.models import check_supported, sliding_window
-from protocol.messages import SamplingParams
+from tailrace.engine.generator.kv import SlotKVCache
+from tailrace.engine.generator.requests import BackendStats, Finished, Request
+from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
+from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
+from tailrace.engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
+from tailrace.engine.models import check_supported, sliding_window
+from tailrace.protocol.messages import SamplingParams
 
 _NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
 _MAX_STOP_IDS = 64  # SamplingParams.stop_token_ids max_len

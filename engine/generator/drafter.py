@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.weights import check_same_layout
+from tailrace.engine.weights import check_same_layout
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter.json"

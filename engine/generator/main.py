@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import load_config
+from tailrace.engine.config import load_config
 
 
 def main(args: Any, overrides: list[str]) -> int:
@@ -18,8 +18,8 @@ def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
     import torch
 
-    from engine.generator.service import GeneratorService
-    from protocol.transport import ConnectionLost, run
+    from tailrace.engine.generator.service import GeneratorService
+    from tailrace.protocol.transport import ConnectionLost, run
 
     torch.set_num_threads(cfg.launch.torch_threads)
     key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None

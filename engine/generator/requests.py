@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.messages import SamplingParams, WorkItem
+from tailrace.protocol.messages import SamplingParams, WorkItem
 
 
 @dataclass(frozen=True)

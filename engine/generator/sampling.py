@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.messages import SamplingParams
+from tailrace.protocol.messages import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, sample_id) pairs over seeds
 

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import RunConfig
-from engine.weights import WeightsAssembler, WeightsStore
-from protocol import messages as m
+from tailrace.engine.config import RunConfig
+from tailrace.engine.weights import WeightsAssembler, WeightsStore
+from tailrace.protocol import messages as m
 
 log = logging.getLogger("tailrace.generator")
 
@@ -97,9 +97,9 @@ class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None):
         import torch
 
-        from engine import models
-        from engine.generator.backend import TorchBackend
-        from engine.generator.tree import TreeSampling
+        from tailrace.engine import models
+        from tailrace.engine.generator.backend import TorchBackend
+        from tailrace.engine.generator.tree import TreeSampling
 
         self.cfg = cfg
         self.address = address
@@ -118,13 +118,13 @@ class GeneratorService:
         self.spot = None
         self.spot_thread: ThreadPoolExecutor | None = None
         if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
-            from engine.modelled import ModelledBackend, load_costs
+            from tailrace.engine.modelled import ModelledBackend, load_costs
 
             self.backend = ModelledBackend(self.backend, load_costs(cfg.modelled.costs_file))
         elif cfg.generator.speculation:
-            from engine.generator.bandit import SpecBandit
-            from engine.generator.drafter import load_or_create
-            from engine.generator.spot import SpotTrainer
+            from tailrace.engine.generator.bandit import SpecBandit
+            from tailrace.engine.generator.drafter import load_or_create
+            from tailrace.engine.generator.spot import SpotTrainer
 
             drafter = load_or_create(cfg.generator.drafter_path or None, model)
             self.bandit = SpecBandit()
@@ -150,7 +150,7 @@ class GeneratorService:
         self.started_s = time.monotonic()
 
     async def run(self) -> str:
-        from protocol.transport import Client, ConnectionLost
+        from tailrace.protocol.transport import Client, ConnectionLost
 
         caps = {"backend": "torch", "vocab_size": self.vocab_size, "max_model_len": self.backend.max_model_len}
         self.client = Client(self.address, role="generator", name=self.name,
@@ -237,7 +237,7 @@ class GeneratorService:
     def admit(self, item: m.WorkItem) -> list[m.Rollout]:
         """Queue the item's samples; if the backend refuses them (e.g. a prompt too long for this
         model), answer each with an "error" rollout so the trainer counts them instead of waiting."""
-        from engine.generator.requests import requests_for
+        from tailrace.engine.generator.requests import requests_for
 
         try:
             for request in requests_for(item):  # all share the prompt: the first add fails or none does
@@ -410,7 +410,7 @@ class GeneratorService:
             "generator/work/items_rejected": self.items_rejected,
         }
         if self.spot is not None:
-            from engine.generator.speculative import telemetry
+            from tailrace.engine.generator.speculative import telemetry
 
             counters.update(telemetry(self.backend, self.bandit, self.spot))
             counters["generator/drafter/shared_rejected"] = self.drafters_rejected

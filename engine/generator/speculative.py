@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.generator.drafter import Drafter
-from engine.generator.sampling import SamplingBatch, processed_logprobs
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
 
 MAX_DRAFT_TOKENS = 8
 """Largest speculation depth k; the backend keeps this many spare cache columns for it."""

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.generator.drafter import Drafter
-from engine.generator.speculative import Trace
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.speculative import Trace
 
 
 @dataclass(kw_only=True)

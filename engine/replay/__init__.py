@@ -19,20 +19,20 @@ from typing import Any
 
 
 def _replay(config: Any):
-    from engine.replay.replay import ReplayForwardBackward
+    from tailrace.engine.replay.replay import ReplayForwardBackward
 
     return ReplayForwardBackward(config.logprob_chunk_tokens, config.log_entropy,
                                  max_batch_tokens=config.micro_batch_tokens)
 
 
 def _packed(config: Any):
-    from engine.replay.packed import PackedForwardBackward
+    from tailrace.engine.replay.packed import PackedForwardBackward
 
     return PackedForwardBackward(config.micro_batch_tokens, config.logprob_chunk_tokens, config.log_entropy)
 
 
 def _auto(config: Any):
-    from engine.replay.packed import AutoForwardBackward
+    from tailrace.engine.replay.packed import AutoForwardBackward
 
     return AutoForwardBackward(_replay(config), _packed(config))
 

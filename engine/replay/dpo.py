@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.trainer.loss import LossNormaliser
+from tailrace.engine.trainer.loss import LossNormaliser
 
 
 def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: torch.Tensor,

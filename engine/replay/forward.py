@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.replay.attention import SegmentRows, paths_attention
-from kernels.logprobs import chunked_logprobs
-from kernels.tree_attention import TRITON_DTYPES
-from kernels.tree_attention import tree_attention as kernel_tree_attention
+from tailrace.engine.replay.attention import SegmentRows, paths_attention
+from tailrace.kernels.logprobs import chunked_logprobs
+from tailrace.kernels.tree_attention import TRITON_DTYPES
+from tailrace.kernels.tree_attention import tree_attention as kernel_tree_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FAMILIES = "Llama, Mistral, Qwen2 and Qwen3 (model_type llama, mistral, qwen2, qwen3)"

@@ -30,22 +30,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.replay.attention import SegmentRows
-from engine.replay.forward import (
+from tailrace.engine.replay.attention import SegmentRows
+from tailrace.engine.replay.forward import (
     DecoderSpec,
     activation_bytes_per_token,
     tree_forward,
 )
-from engine.replay.replay import (
+from tailrace.engine.replay.replay import (
     ReplayForwardBackward,
     default_budget_bytes,
     prepare,
     trie_stats,
     unit_loss,
 )
-from engine.replay.trie import Trie
-from engine.samples import TrainSample
-from engine.trainer.loss import LossNormaliser, StepLoss
+from tailrace.engine.replay.trie import Trie
+from tailrace.engine.samples import TrainSample
+from tailrace.engine.trainer.loss import LossNormaliser, StepLoss
 
 UNIT_OVERHEAD_TOKENS = {"cpu": 64, "cuda": 1024}
 """A replay forward call's fixed cost (Python and small kernels in every layer, forward and backward), in

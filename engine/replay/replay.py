@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.replay.attention import SegmentRows
-from engine.replay.forward import (
+from tailrace.engine.replay.attention import SegmentRows
+from tailrace.engine.replay.forward import (
     DecoderSpec,
     activation_bytes_per_token,
     decoder_spec,
@@ -39,9 +39,9 @@ from engine.replay.forward import (
     row_logprobs,
     segment_forward,
 )
-from engine.replay.trie import Trie, build_trie
-from engine.samples import TrainSample
-from engine.trainer.loss import LossNormaliser, StepLoss, add_stats
+from tailrace.engine.replay.trie import Trie, build_trie
+from tailrace.engine.samples import TrainSample
+from tailrace.engine.trainer.loss import LossNormaliser, StepLoss, add_stats
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.samples import TrainSample
+from tailrace.engine.samples import TrainSample
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.samples import Group
+from tailrace.engine.samples import Group
 
 
 @dataclass(kw_only=True, frozen=True)

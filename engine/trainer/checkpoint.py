@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from engine.trainer import dist
-from engine.trainer.learner import Learner
+from tailrace.engine.trainer import dist
+from tailrace.engine.trainer.learner import Learner
 
 PREFIX = "step_"
 STATE_FILE = "trainer_state.json"

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.replay import STRATEGIES as REPLAY_STRATEGIES
-from engine.samples import Group, TrainSample, flatten_samples
-from engine.trainer import dist
-from engine.trainer.loss import (
+from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
+from tailrace.engine.samples import Group, TrainSample, flatten_samples
+from tailrace.engine.trainer import dist
+from tailrace.engine.trainer.loss import (
     STAT_KEYS,
     LossConfig,
     LossNormaliser,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.samples import Group, TrainSample
+from tailrace.engine.samples import Group, TrainSample
 
 AGGREGATIONS = ("token_mean", "sample_mean")
 

@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Any
 
-from engine.config import load_config
+from tailrace.engine.config import load_config
 
 
 def main(args: Any, overrides: list[str]) -> int:
@@ -18,9 +18,9 @@ def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     import torch
 
-    from engine.trainer import dist
-    from engine.trainer.service import TrainerService
-    from protocol.transport import run
+    from tailrace.engine.trainer import dist
+    from tailrace.engine.trainer.service import TrainerService
+    from tailrace.protocol.transport import run
 
     torch.set_num_threads(cfg.launch.torch_threads)
     info = dist.init_from_env()

@@ -29,18 +29,18 @@ from typing import Any
 
 import torch
 
-from engine import models
-from engine.config import RunConfig, to_toml
-from engine.data import PromptSource
-from engine.metrics import make_sink
-from engine.samples import Group, TrainSample
-from engine.trainer import checkpoint
-from engine.trainer.controller import Controller, GroupState, PromptRecord
-from engine.trainer.learner import Learner, LearnerConfig
-from engine.trainer.loss import LossConfig
-from engine.trainer.rewards import RewardDispatcher, ScoringFailed
-from engine.weights import WeightsAssembler, WeightsStore, check_same_layout
-from protocol import messages as m
+from tailrace.engine import models
+from tailrace.engine.config import RunConfig, to_toml
+from tailrace.engine.data import PromptSource
+from tailrace.engine.metrics import make_sink
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer import checkpoint
+from tailrace.engine.trainer.controller import Controller, GroupState, PromptRecord
+from tailrace.engine.trainer.learner import Learner, LearnerConfig
+from tailrace.engine.trainer.loss import LossConfig
+from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
+from tailrace.engine.weights import WeightsAssembler, WeightsStore, check_same_layout
+from tailrace.protocol import messages as m
 
 log = logging.getLogger("tailrace.trainer")
 
@@ -82,7 +82,7 @@ class TrainerService:
         self.max_model_len = model.config.max_position_embeddings
         self.learner = Learner(model, learner_config(cfg), ref_model=ref)
         if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of training
-            from engine.modelled import load_costs, patch_learner
+            from tailrace.engine.modelled import load_costs, patch_learner
 
             patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
         state: dict[str, Any] = {}
@@ -144,7 +144,7 @@ class TrainerService:
             self.changed.set()
 
     async def run(self) -> dict[str, Any]:
-        from protocol.transport import Server
+        from tailrace.protocol.transport import Server
 
         cfg = self.cfg.trainer
         self.server = Server(cfg.bind, run_id=self.run_id, credits=cfg.credits,
@@ -159,7 +159,7 @@ class TrainerService:
         async with self.server:
             router = None
             if self.cfg.reward.mode != "builtin":
-                from protocol.reward import RewardRouter
+                from tailrace.protocol.reward_sdk import RewardRouter
 
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)

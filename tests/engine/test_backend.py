@@ -17,11 +17,11 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.generator.backend import TorchBackend
-from engine.generator.requests import Request, requests_for
-from engine.generator.sampling import SamplingBatch, processed_logprobs
-from engine.models import SUPPORTED_MODEL_TYPES, TINY_MODEL_PATH, check_supported, load_model
-from protocol.messages import SamplingParams, WorkItem
+from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.generator.requests import Request, requests_for
+from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
+from tailrace.engine.models import SUPPORTED_MODEL_TYPES, TINY_MODEL_PATH, check_supported, load_model
+from tailrace.protocol.messages import SamplingParams, WorkItem
 
 torch.set_num_threads(1)
 
@@ -322,8 +322,8 @@ def test_load_model_round_trip(tmp_path):
 def test_outputs_are_ordinary_tensors_that_autograd_accepts():
     # The backend decodes under inference_mode; what it hands out (finished, cancelled, traces) must
     # be ordinary tensors, since a trainer in the same process builds autograd graphs on them.
-    from engine.generator.drafter import Drafter
-    from engine.generator.speculative import FixedDepth
+    from tailrace.engine.generator.drafter import Drafter
+    from tailrace.engine.generator.speculative import FixedDepth
 
     model = make_model("qwen2")
     backend = TorchBackend(model, max_batch_size=2, max_model_len=32)

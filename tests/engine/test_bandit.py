@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from engine.generator.backend import Request, TorchBackend
-from engine.generator.bandit import DEFAULT_ARMS, SpecBandit, bucket_label, bucket_of
-from engine.generator.drafter import Drafter
-from engine.generator.speculative import telemetry
-from protocol.messages import SamplingParams
+from tailrace.engine.generator.backend import Request, TorchBackend
+from tailrace.engine.generator.bandit import DEFAULT_ARMS, SpecBandit, bucket_label, bucket_of
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.speculative import telemetry
+from tailrace.protocol.messages import SamplingParams
 
 # Synthetic tokens/s per (bucket, k): speculation pays at small batches, less at medium, loses at large.
 BEST = {0: 4, 2: 2, 5: 0}

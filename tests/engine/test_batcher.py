@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.samples import Group, TrainSample
-from engine.trainer.batcher import BatcherConfig, StreamingBatcher
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer.batcher import BatcherConfig, StreamingBatcher
 
 
 def group(group_id, num_tokens):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-from engine.samples import Group, TrainSample
-from engine.trainer import checkpoint
-from engine.trainer.learner import Learner, LearnerConfig
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer import checkpoint
+from tailrace.engine.trainer.learner import Learner, LearnerConfig
 
 torch.set_num_threads(1)
 VOCAB = 64

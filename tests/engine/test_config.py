@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import load_config, reference_markdown, to_toml
+from tailrace.engine.config import load_config, reference_markdown, to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.trainer.controller import Controller, PromptRecord
+from tailrace.engine.trainer.controller import Controller, PromptRecord
 
 
 @dataclass

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine.config import DataConfig
-from engine.data import PromptSource
+from tailrace.engine.config import DataConfig
+from tailrace.engine.data import PromptSource
 
 
 class CharTokenizer:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from engine.generator.backend import Request, TorchBackend
-from engine.generator.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
-from engine.generator.speculative import FixedDepth, Trace
-from engine.generator.spot import (
+from tailrace.engine.generator.backend import Request, TorchBackend
+from tailrace.engine.generator.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
+from tailrace.engine.generator.speculative import FixedDepth, Trace
+from tailrace.engine.generator.spot import (
     KeyRecorder,
     SpotConfig,
     SpotTrainer,
@@ -20,7 +20,7 @@ from engine.generator.spot import (
     drafter_passes,
     pack,
 )
-from protocol.messages import SamplingParams
+from tailrace.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from engine.config import load_config
-from engine.generator import service as gen_service
-from engine.generator.drafter import Drafter
-from engine.generator.service import GeneratorService
-from engine.generator.spot import SpotTrainer
-from engine.trainer.service import DRAFTER_FILE, TrainerService
-from engine.weights import WeightsAssembler, WeightsStore
-from protocol import messages as m
-from protocol.transport import Client
+from tailrace.engine.config import load_config
+from tailrace.engine.generator import service as gen_service
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.service import GeneratorService
+from tailrace.engine.generator.spot import SpotTrainer
+from tailrace.engine.trainer.service import DRAFTER_FILE, TrainerService
+from tailrace.engine.weights import WeightsAssembler, WeightsStore
+from tailrace.protocol import messages as m
+from tailrace.protocol.transport import Client
 
 
 def make_service(tmp_path, resume: bool = False):

@@ -30,7 +30,7 @@ def _env():
 
 def _start(args, log_path):
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "tailrace.engine.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             env=_env(), cwd=ROOT)
     log.close()
     return proc
@@ -68,7 +68,7 @@ def test_trainer_generator_reward_processes(tmp_path):
         address = endpoint["address"]
         procs.append(_start(["generator", "--connect", address, "--name", "gen-0", *SMALL_RUN],
                             tmp_path / "gen.log"))
-        procs.append(_start(["reward", "--connect", address, "--fn", "engine.tasks:score", "--name", "r0"],
+        procs.append(_start(["reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "r0"],
                             tmp_path / "reward.log"))
         top = subprocess.run([sys.executable, str(ROOT / "tools" / "top.py"), "--connect", address, "--once", "--json",
                               "--window-s", "1.5"], capture_output=True, text=True, timeout=60, env=_env())

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.generator.service import Action, GenState, background_priority, decide
-from protocol.messages import WorkItem
+from tailrace.engine.generator.service import Action, GenState, background_priority, decide
+from tailrace.protocol.messages import WorkItem
 
 
 def item(version=0, n=4):

@@ -21,7 +21,7 @@ def _env():
 
 
 def _run(tmp_path, *args):
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", "run", "--trainer.runs_dir", str(tmp_path / "runs"),
+    return subprocess.Popen([sys.executable, "-m", "tailrace.engine.cli", "run", "--trainer.runs_dir", str(tmp_path / "runs"),
                              *args], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 

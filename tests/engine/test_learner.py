@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engine.samples import Group, TrainSample
-from engine.trainer import dist
-from engine.trainer.learner import (
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer import dist
+from tailrace.engine.trainer.learner import (
     Learner,
     LearnerConfig,
     LRSchedule,
@@ -18,7 +18,7 @@ from engine.trainer.learner import (
     plan_micro_batches,
     sample_logprobs,
 )
-from engine.trainer.loss import LossConfig, LossNormaliser, StepLoss, assign_advantages, policy_loss
+from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss, assign_advantages, policy_loss
 
 torch.set_num_threads(1)
 VOCAB = 64

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.samples import Group, TrainSample
-from engine.trainer.loss import (
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer.loss import (
     LossConfig,
     LossNormaliser,
     StepLoss,

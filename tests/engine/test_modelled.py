@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from engine.generator.backend import Request, TorchBackend
-from engine.modelled import (
+from tailrace.engine.generator.backend import Request, TorchBackend
+from tailrace.engine.modelled import (
     Completion,
     Costs,
     LinearCost,
@@ -20,9 +20,9 @@ from engine.modelled import (
     patch_learner,
     train_tokens,
 )
-from engine.samples import Group, TrainSample
-from engine.trainer.learner import Learner, LearnerConfig
-from protocol.messages import SamplingParams
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer.learner import Learner, LearnerConfig
+from tailrace.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 

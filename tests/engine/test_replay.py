@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine.replay import dpo
-from engine.replay.packed import AutoForwardBackward, PackedForwardBackward, choose_mode
-from engine.replay.replay import ReplayForwardBackward
-from engine.replay.trie import build_trie
-from engine.samples import Group, TrainSample
-from engine.trainer.learner import (
+from tailrace.engine.replay import dpo
+from tailrace.engine.replay.packed import AutoForwardBackward, PackedForwardBackward, choose_mode
+from tailrace.engine.replay.replay import ReplayForwardBackward
+from tailrace.engine.replay.trie import build_trie
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer.learner import (
     Learner,
     LearnerConfig,
     NaiveForwardBackward,
@@ -28,7 +28,7 @@ from engine.trainer.learner import (
     forward_logprobs,
     sample_logprobs,
 )
-from engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
 
 torch.set_num_threads(1)
 VOCAB = 8
@@ -290,7 +290,7 @@ def test_unsupported_architectures_are_named():
 def test_flash_paths_attention_matches_masked_sdpa(dtype, tol):
     """The CPU flash path (split prefix/own parts, merged by log-sum-exp, custom backward) against one
     masked SDPA per segment, with an external prefix and in-call ancestors, siblings sharing a run."""
-    from engine.replay.attention import SegmentRows, paths_attention, paths_attention_sdpa
+    from tailrace.engine.replay.attention import SegmentRows, paths_attention, paths_attention_sdpa
 
     gen = torch.Generator().manual_seed(0)
     # Rows: root [0, 5), child A [5, 8) with leaves A1 [8, 10), A2 [10, 11); child B [11, 15).
@@ -312,7 +312,7 @@ def test_flash_paths_attention_matches_masked_sdpa(dtype, tol):
 
 
 def test_train_config_accepts_the_replay_modes():
-    from engine.config import TrainConfig
+    from tailrace.engine.config import TrainConfig
 
     for mode in ("auto", "naive", "replay", "packed"):
         assert TrainConfig(replay=mode).replay == mode

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.generator.sampling import (
+from tailrace.engine.generator.sampling import (
     SamplingBatch,
     draw_uniforms,
     processed_logprobs,
@@ -13,7 +13,7 @@ from engine.generator.sampling import (
     sample,
     sample_from_logprobs,
 )
-from protocol.messages import SamplingParams
+from tailrace.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 

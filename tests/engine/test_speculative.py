@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
 
-from engine.generator import speculative
-from engine.generator.backend import Request, TorchBackend
-from engine.generator.drafter import Drafter
-from engine.generator.kv import SlotKVCache
-from engine.generator.sampling import SamplingBatch, processed_logprobs
-from engine.generator.speculative import FixedDepth, accept_drafts
-from engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
-from protocol.messages import SamplingParams
+from tailrace.engine.generator import speculative
+from tailrace.engine.generator.backend import Request, TorchBackend
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.kv import SlotKVCache
+from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
+from tailrace.engine.generator.speculative import FixedDepth, accept_drafts
+from tailrace.engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
+from tailrace.protocol.messages import SamplingParams
 from tests.engine.test_backend import greedy_reference, prompts, reference_logits
 from tests.engine.test_backend import run as run_backend
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.trainer.service import TrainerService
-from protocol import messages as m
-from protocol.transport import Client, Rejected
+from tailrace.engine.config import load_config
+from tailrace.engine.trainer.service import TrainerService
+from tailrace.protocol import messages as m
+from tailrace.protocol.transport import Client, Rejected
 
 
 def make_service(tmp_path, *overrides):

@@ -8,12 +8,12 @@ Run: pytest tests/engine/test_tree_sampling.py
 import pytest
 import torch
 
-from engine.generator.backend import TorchBackend
-from engine.generator.drafter import Drafter
-from engine.generator.requests import Request, requests_for
-from engine.generator.speculative import FixedDepth
-from engine.generator.tree import TreeSampling, split_samples
-from protocol.messages import SamplingParams, WorkItem
+from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.generator.requests import Request, requests_for
+from tailrace.engine.generator.speculative import FixedDepth
+from tailrace.engine.generator.tree import TreeSampling, split_samples
+from tailrace.protocol.messages import SamplingParams, WorkItem
 from tests.engine.test_backend import greedy_reference, make_model, run
 from tests.engine.test_speculative import row_cache_matches_recompute
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.weights import WeightsAssembler, WeightsStore, chunk_state_dict
-from protocol.codec import decode, encode
+from tailrace.engine.weights import WeightsAssembler, WeightsStore, chunk_state_dict
+from tailrace.protocol.codec import decode, encode
 
 
 def state(n=5, size=100):

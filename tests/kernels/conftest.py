@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels._triton import HAS_TRITON, interpreting
+from tailrace.kernels._triton import HAS_TRITON, interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBPROCESS_FLAG = "TAILRACE_KERNEL_INTERPRETER_SUBPROCESS"

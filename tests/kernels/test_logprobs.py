@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.logprobs as logprobs_module
-from kernels._triton import interpreting
-from kernels.logprobs import chunked_logprobs, logprobs_reference
+import tailrace.kernels.logprobs as logprobs_module
+from tailrace.kernels._triton import interpreting
+from tailrace.kernels.logprobs import chunked_logprobs, logprobs_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBPROCESS_FLAG = "TAILRACE_KERNEL_INTERPRETER_SUBPROCESS"

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels._triton import interpreting
-from kernels.tree_attention import (
+from tailrace.kernels._triton import interpreting
+from tailrace.kernels.tree_attention import (
     mask_from_subtree_end,
     subtree_end_from_parents,
     tree_attention,

@@ -4,6 +4,7 @@ Run: pytest tests/protocol/test_codec.py
 """
 
 import ast
+import importlib
 import math
 from pathlib import Path
 
@@ -14,9 +15,9 @@ import torch
 import zmq
 from wire_examples import assert_same, examples, rollout
 
-import protocol.codec as codec
-from protocol.codec import INLINE_MAX_BYTES, Limits, ProtocolError, decode, encode, peek_header
-from protocol.messages import (
+import tailrace.protocol.codec as codec
+from tailrace.protocol.codec import INLINE_MAX_BYTES, Limits, ProtocolError, decode, encode, peek_header
+from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     Heartbeat,
@@ -27,7 +28,7 @@ from protocol.messages import (
     Welcome,
     Work,
 )
-from protocol.schema import MESSAGE_CLASSES
+from tailrace.protocol.schema import MESSAGE_CLASSES
 
 # Tensors decoded from bytes frames view immutable memory; torch says so once. Expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -374,7 +375,8 @@ def test_peek_header_reads_only_frame_zero():
 
 
 def test_codec_never_pickles():
-    for module in (codec, __import__("protocol.schema").schema, __import__("protocol.messages").messages):
+    for module in (codec, importlib.import_module("tailrace.protocol.schema"),
+                   importlib.import_module("tailrace.protocol.messages")):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
                     for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)

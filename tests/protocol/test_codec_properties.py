@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from wire_examples import assert_same, examples, rollout
 
-from protocol.codec import ProtocolError, decode, encode
-from protocol.messages import Rollout
-from protocol.schema import DEFAULT_MAX_STR, INT64_MAX, INT64_MIN, MESSAGE_CLASSES, Array, Scalar
+from tailrace.protocol.codec import ProtocolError, decode, encode
+from tailrace.protocol.messages import Rollout
+from tailrace.protocol.schema import DEFAULT_MAX_STR, INT64_MAX, INT64_MIN, MESSAGE_CLASSES, Array, Scalar
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 

@@ -153,8 +153,8 @@ async def wait_for(event: threading.Event, what: str) -> None:
 
 
 async def test_spec_reward_server_is_served_and_answered():
-    from protocol.reward import RewardRouter, RewardUnavailable, ScoreFailed
-    from protocol.transport import Server
+    from tailrace.protocol.reward_sdk import RewardRouter, RewardUnavailable, ScoreFailed
+    from tailrace.protocol.transport import Server
 
     server = await Server("tcp://127.0.0.1:0", run_id="conformance", credits=4, heartbeat_interval_s=0.05,
                           missed_heartbeats=40).start()

@@ -15,9 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from protocol.codec import decode, encode
-from protocol.messages import ErrorCode, Score, ScoreRequest
-from protocol.schema import (
+from tailrace.protocol.codec import decode, encode
+from tailrace.protocol.messages import ErrorCode, Score, ScoreRequest
+from tailrace.protocol.schema import (
     DEFAULT_MAX_LIST,
     DEFAULT_MAX_MAP,
     DEFAULT_MAX_STR,

@@ -15,9 +15,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from protocol import codec
-from protocol.codec import Limits
-from protocol.messages import (
+from tailrace.protocol import codec
+from tailrace.protocol.codec import Limits
+from tailrace.protocol.messages import (
     Error,
     ErrorCode,
     Event,
@@ -30,7 +30,7 @@ from protocol.messages import (
     Welcome,
     WorkRequest,
 )
-from protocol.transport import (
+from tailrace.protocol.transport import (
     Client,
     ConnectionLost,
     ConnectTimeout,

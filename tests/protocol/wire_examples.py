@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from protocol.messages import (
+from tailrace.protocol.messages import (
     Cancel,
     Credit,
     Error,

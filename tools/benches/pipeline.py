@@ -23,7 +23,7 @@ runs (CPU time, not wall time, so that other load on the machine does not inflat
 completions of the task by the real model (another data seed than the runs) for the length distribution.
 
 Processes: this process imports torch and transformers once and forks each role, which then runs
-`engine.cli.main` exactly as `tailrace trainer|generator` would (a role starts in about a second instead
+`tailrace.engine.cli.main` exactly as `tailrace trainer|generator` would (a role starts in about a second instead
 of five). A tool process on the notice socket times each run: from the first generator joining to the
 last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; generators 1 - backend busy
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
@@ -79,7 +79,7 @@ class Workload:
                 *(["--model.path", self.model_path] if self.model_path else [])]
 
     def config(self):
-        from engine.config import load_config
+        from tailrace.engine.config import load_config
 
         return load_config(None, self.overrides())
 
@@ -93,7 +93,7 @@ def load_1m() -> float:
 
 def _sampling(cfg, stop_token_ids: list[int], **changes):
     """The trainer's sampling parameters (engine/trainer/service.py answer_work)."""
-    from protocol.messages import SamplingParams
+    from tailrace.protocol.messages import SamplingParams
 
     s = cfg.sampling
     params = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
@@ -105,7 +105,7 @@ def _prompts(cfg, tokenizer, count: int, seed: int, max_prompt_tokens: int) -> l
     """The first `count` prompts of the run's data stream with another seed, as the trainer makes them."""
     from dataclasses import replace
 
-    from engine.data import PromptSource
+    from tailrace.engine.data import PromptSource
 
     source = PromptSource(replace(cfg.data, seed=seed), tokenizer, max_prompt_tokens=max_prompt_tokens)
     return [next(source) for _ in range(count)]
@@ -114,7 +114,7 @@ def _prompts(cfg, tokenizer, count: int, seed: int, max_prompt_tokens: int) -> l
 def measure_decode(cfg, model, prompts, steps: int) -> tuple[dict[int, list[float]], list, float]:
     """CPU seconds of decode steps at every batch size (eos off, so the batch stays full), prefill
     points (padded tokens, seconds), and the wall / CPU time ratio seen (contention)."""
-    from engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.backend import Request, TorchBackend
 
     size_max, max_len = cfg.generator.max_batch_size, model.config.max_position_embeddings
     sampling = _sampling(cfg, [], max_new_tokens=steps + 1)
@@ -139,8 +139,8 @@ def measure_decode(cfg, model, prompts, steps: int) -> tuple[dict[int, list[floa
 
 def measure_completions(cfg, model, tokenizer, prompts) -> list:
     """The real model's completions of the prompts, group_size samples each, sampled as the generator does."""
-    from engine import models
-    from engine.generator.backend import Request, TorchBackend
+    from tailrace.engine import models
+    from tailrace.engine.generator.backend import Request, TorchBackend
 
     backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
                            max_model_len=model.config.max_position_embeddings,
@@ -158,11 +158,11 @@ def measure_completions(cfg, model, tokenizer, prompts) -> list:
 def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[tuple[int, float]]:
     """(train tokens, CPU seconds) of real learner steps, the trainer's config, on batches of `sizes`
     groups of the real completions."""
-    from engine import models, tasks
-    from engine.modelled import train_tokens
-    from engine.samples import Group, TrainSample, flatten_samples
-    from engine.trainer.learner import Learner
-    from engine.trainer.service import learner_config
+    from tailrace.engine import models, tasks
+    from tailrace.engine.modelled import train_tokens
+    from tailrace.engine.samples import Group, TrainSample, flatten_samples
+    from tailrace.engine.trainer.learner import Learner
+    from tailrace.engine.trainer.service import learner_config
 
     by_id = {p.prompt_id: p for p in prompts}
     groups: dict[int, list] = {}
@@ -194,8 +194,8 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     """Measure this machine's costs for workload `w` and write them to `path` (run in a child process)."""
     import torch
 
-    from engine import models
-    from engine.modelled import Completion, Costs, LinearCost
+    from tailrace.engine import models
+    from tailrace.engine.modelled import Completion, Costs, LinearCost
 
     torch.set_num_threads(1)  # as each role runs (launch.torch_threads)
     cfg = w.config()
@@ -229,8 +229,8 @@ def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str]
     trainer does, and save it to `folder` (run in a child process)."""
     import torch
 
-    from engine import models
-    from engine.generator.drafter import Drafter
+    from tailrace.engine import models
+    from tailrace.engine.generator.drafter import Drafter
     from tools.benches.spec import collect_traces, train_drafter
 
     torch.set_num_threads(1)
@@ -261,11 +261,11 @@ def _preload(model_path: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from engine import models
+    from tailrace.engine import models
 
     torch.set_num_threads(1)
-    for module in ("engine.cli", "engine.modelled", "engine.trainer.main", "engine.trainer.service",
-                   "engine.generator.main", "engine.generator.service", "protocol.transport"):
+    for module in ("tailrace.engine.cli", "tailrace.engine.modelled", "tailrace.engine.trainer.main", "tailrace.engine.trainer.service",
+                   "tailrace.engine.generator.main", "tailrace.engine.generator.service", "tailrace.protocol.transport"):
         importlib.import_module(module)
     model_type = AutoConfig.from_pretrained(models.resolve_model_path(model_path)).model_type
     importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -283,7 +283,7 @@ def _redirect(log_path: Path) -> None:
 def _role(argv: list[str], log_path: Path) -> None:
     """A forked child: `tailrace ARGV`, its output in log_path."""
     _redirect(log_path)
-    from engine.cli import main
+    from tailrace.engine.cli import main
 
     sys.exit(main(argv))
 
@@ -292,8 +292,8 @@ def _watcher(address: str, steps: int, out: Path, ready: Path, log_path: Path) -
     """A forked child: a tool on the notice socket recording (time.monotonic, system-wide) when generators
     join and when each policy version is published; writes them to `out` as JSON."""
     _redirect(log_path)
-    from protocol import messages as m
-    from protocol.transport import Client, TransportError, run
+    from tailrace.protocol import messages as m
+    from tailrace.protocol.transport import Client, TransportError, run
 
     async def watch() -> dict[str, float]:
         times: dict[str, float] = {}
@@ -433,7 +433,7 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
         log(f"{mode:16s} {r['seconds']:7.2f} s   idle: trainer {r['idle_trainer']:.2f}, generators "
             f"{r['idle_generators']:.2f}   samples {r['samples_trained']}   generators joined "
             f"{r['join_spread_s']:.2f} s apart   load {load}")
-    from engine.modelled import load_costs
+    from tailrace.engine.modelled import load_costs
 
     out = figures(w, load_costs(costs_path), results)
     shutil.rmtree(work, ignore_errors=True)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def small_rollout():
     import torch
 
-    from protocol.messages import Rollout
+    from tailrace.protocol.messages import Rollout
 
     return Rollout(group_id=12, sample_id=3, prompt_token_ids=torch.arange(PROMPT_TOKENS, dtype=torch.int32),
                    completion_token_ids=torch.arange(COMPLETION_TOKENS, dtype=torch.int32),
@@ -52,7 +52,7 @@ def small_rollout():
 def weights_chunk():
     import torch
 
-    from protocol.messages import WeightsChunk
+    from tailrace.protocol.messages import WeightsChunk
 
     tensor = torch.arange(TENSOR_BYTES // 4, dtype=torch.float32)
     return WeightsChunk(model="policy", version=1, chunk_index=0, num_chunks=1, tensors={"w": tensor})
@@ -76,8 +76,8 @@ def receiver(quick: bool) -> None:
     import zmq
     import zmq.asyncio
 
-    from protocol.codec import decode
-    from protocol.transport import Server, run
+    from tailrace.protocol.codec import decode
+    from tailrace.protocol.transport import Server, run
 
     ctx, actx = zmq.Context(), zmq.asyncio.Context()
     control, data = actx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
@@ -145,8 +145,8 @@ def sender(quick: bool, control_address: str, data_address: str, server_address:
     import zmq
     import zmq.asyncio
 
-    from protocol.codec import encode
-    from protocol.transport import Client, run
+    from tailrace.protocol.codec import encode
+    from tailrace.protocol.transport import Client, run
 
     ctx, actx = zmq.Context(), zmq.asyncio.Context()
     control, data = actx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -188,7 +188,7 @@ def sender(quick: bool, control_address: str, data_address: str, server_address:
 
 def codec_times_us() -> tuple[float, float]:
     """Best-of-repeats CPU time of encode and decode of one small Rollout, in microseconds."""
-    from protocol.codec import decode, encode
+    from tailrace.protocol.codec import decode, encode
 
     msg = small_rollout()
     frames = [bytes(f) for f in encode(msg)]

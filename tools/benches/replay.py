@@ -69,7 +69,7 @@ def bench_model(seed: int = 0, **shape):
 def _sample(group_id: int, i: int, prompt, completion, gen):
     import torch
 
-    from engine.samples import TrainSample
+    from tailrace.engine.samples import TrainSample
 
     t = len(completion)
     return TrainSample(group_id=group_id, sample_id=i, prompt_ids=prompt, completion_ids=completion,
@@ -81,7 +81,7 @@ def prompt_group(group_id: int, group_size: int, prompt_len: int, median: int, s
     """One prompt, group_size completions of log-normal length (sigma 0.6, at least 8 tokens)."""
     import torch
 
-    from engine.samples import Group
+    from tailrace.engine.samples import Group
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
@@ -96,7 +96,7 @@ def tree_group(group_id: int, prompt_len: int, branching: int, depth: int, segme
     segment/2..3*segment/2 tokens; one sample per leaf (prompt = trunk)."""
     import torch
 
-    from engine.samples import Group
+    from tailrace.engine.samples import Group
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
@@ -158,8 +158,8 @@ def _warm_up(model, strategy, groups) -> None:
     """One small call (first-call allocations, lazy kernels), gradients discarded."""
     import torch
 
-    from engine.samples import TrainSample
-    from engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+    from tailrace.engine.samples import TrainSample
+    from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
 
     small = [TrainSample(group_id=0, sample_id=i, prompt_ids=s.prompt_ids[:64], completion_ids=s.completion_ids[:8],
                          behaviour_logprobs=s.behaviour_logprobs[:8], policy_versions=s.policy_versions[:8],
@@ -176,7 +176,7 @@ def worker(scenario: str, mode: str, quick: bool, out_dir: str) -> None:
 
     import torch
 
-    from engine.trainer.learner import STRATEGIES, Learner, LearnerConfig
+    from tailrace.engine.trainer.learner import STRATEGIES, Learner, LearnerConfig
 
     torch.set_num_threads(THREADS)
     base = bench_model()
@@ -226,8 +226,8 @@ def run_scenario(name: str, quick: bool, log: Callable[[str], None], out_dir: st
     import torch
     from transformers import LlamaConfig
 
-    from engine.replay.trie import build_trie
-    from engine.samples import flatten_samples
+    from tailrace.engine.replay.trie import build_trie
+    from tailrace.engine.samples import flatten_samples
 
     samples = flatten_samples(scenario_groups(name, quick))
     figures = flop_ideal(LlamaConfig(**TINY_SHAPE), samples, build_trie(samples))
@@ -262,8 +262,8 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     import torch  # noqa: F401  (imported once here; the forked workers share it)
     import transformers  # noqa: F401
 
-    import engine.replay.packed  # noqa: F401
-    import engine.trainer.learner  # noqa: F401
+    import tailrace.engine.replay.packed  # noqa: F401
+    import tailrace.engine.trainer.learner  # noqa: F401
 
     with tempfile.TemporaryDirectory(prefix="tailrace-replay-bench-") as out_dir:
         prompt = run_scenario("prompt", quick, log, out_dir)

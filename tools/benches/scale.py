@@ -45,7 +45,7 @@ def _peak_rss_mb() -> float:
 def _replay_worker(quick: bool, out: str) -> None:
     import torch
 
-    from engine.trainer.learner import Learner, LearnerConfig
+    from tailrace.engine.trainer.learner import Learner, LearnerConfig
 
     torch.set_num_threads(THREADS)
     model = bench_model()
@@ -64,8 +64,8 @@ def _replay_worker(quick: bool, out: str) -> None:
 def _naive_one_sample_worker(quick: bool, out: str) -> None:
     import torch
 
-    from engine.trainer.learner import NaiveForwardBackward
-    from engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+    from tailrace.engine.trainer.learner import NaiveForwardBackward
+    from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
 
     torch.set_num_threads(THREADS)
     model = bench_model().train()
@@ -92,10 +92,10 @@ def _forked(target, quick: bool, out_dir: str, name: str) -> dict:
 def run(quick: bool, log: Callable[[str], None]) -> dict:
     import torch  # noqa: F401  (imported once; the forked workers share it)
 
-    from engine.replay.forward import activation_bytes_per_token
-    from engine.replay.trie import build_trie
-    from engine.samples import flatten_samples
-    from engine.trainer.learner import LearnerConfig
+    from tailrace.engine.replay.forward import activation_bytes_per_token
+    from tailrace.engine.replay.trie import build_trie
+    from tailrace.engine.samples import flatten_samples
+    from tailrace.engine.trainer.learner import LearnerConfig
 
     samples = flatten_samples(scale_groups(quick))
     trie = build_trie(samples)

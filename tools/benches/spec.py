@@ -45,7 +45,7 @@ def _sizes(quick: bool) -> dict:
 
 
 def _prompts(tokenizer, num: int, seed: int, min_chars: int = 0) -> list[list[int]]:
-    from engine import tasks
+    from tailrace.engine import tasks
 
     out = []
     for prompt in tasks.synthetic_prompts(seed=seed):
@@ -92,9 +92,9 @@ def _race(backends: dict, requests, keep_running: int) -> dict[str, list]:
 
 
 def collect_traces(model, drafter, eos, prompts, log) -> list:
-    from engine.generator.backend import Request, TorchBackend
-    from engine.generator.speculative import FixedDepth
-    from protocol.messages import SamplingParams
+    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.speculative import FixedDepth
+    from tailrace.protocol.messages import SamplingParams
 
     backend = TorchBackend(model, max_batch_size=32, max_model_len=256, eos_token_ids=eos, seed=0)
     backend.enable_speculation(drafter, FixedDepth(0), max_traces=len(prompts))
@@ -106,7 +106,7 @@ def collect_traces(model, drafter, eos, prompts, log) -> list:
 
 
 def train_drafter(drafter, traces, train_s: float, log) -> dict:
-    from engine.generator.spot import SpotConfig, SpotTrainer
+    from tailrace.engine.generator.spot import SpotConfig, SpotTrainer
 
     spot = SpotTrainer(drafter, SpotConfig(), seed=0)
     spot.add_traces(traces)
@@ -121,9 +121,9 @@ def train_drafter(drafter, traces, train_s: float, log) -> dict:
 
 
 def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -> dict:
-    from engine.generator.backend import Request, TorchBackend
-    from engine.generator.bandit import SpecBandit
-    from protocol.messages import SamplingParams
+    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.bandit import SpecBandit
+    from tailrace.protocol.messages import SamplingParams
 
     plain = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=1)
     spec = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=2)
@@ -172,9 +172,9 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
 def _token_histogram(model, eos, prompts, drafter, seed: int):
     import torch
 
-    from engine.generator.backend import Request, TorchBackend
-    from engine.generator.bandit import SpecBandit
-    from protocol.messages import SamplingParams
+    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.bandit import SpecBandit
+    from tailrace.protocol.messages import SamplingParams
 
     backend = TorchBackend(model, max_batch_size=64, max_model_len=256, eos_token_ids=eos, seed=seed)
     if drafter is not None:
@@ -192,8 +192,8 @@ def _tv(a, b) -> float:
 def run(quick: bool, log: Callable[[str], None]) -> dict:
     import torch
 
-    from engine.generator.drafter import Drafter
-    from engine.models import eos_token_ids, load_model, load_tokenizer
+    from tailrace.engine.generator.drafter import Drafter
+    from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

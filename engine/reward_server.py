@@ -1,6 +1,6 @@
 """Entry point of `tailrace reward`: serve a user's Python function as a reward server.
 
-Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn engine.tasks:score [--tasks reverse,copy]
+Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.tasks:score [--tasks reverse,copy]
 The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
 """
 
@@ -30,8 +30,8 @@ def load_function(spec: str) -> Any:
 
 def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
-    from protocol.reward import serve
-    from protocol.transport import ConnectionLost, run
+    from tailrace.protocol.reward_sdk import serve
+    from tailrace.protocol.transport import ConnectionLost, run
 
     fn = load_function(args.fn)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) or ("*",)

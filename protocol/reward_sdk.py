@@ -2,7 +2,7 @@
 server, and RewardRouter, the trainer's client of reward servers. Wire rules: protocol/SPEC.md.
 
 Run one: python examples/reward_server.py --connect tcp://127.0.0.1:5555
-Test: pytest tests/protocol/test_reward.py tests/protocol/test_conformance.py
+Test: pytest tests/protocol/test_reward_sdk.py tests/protocol/test_conformance.py
 
     serve()       recv loop: ScoreRequest -> one task each (<= max_concurrency, beyond: ScoreError 406);
                   the task runs score_fn (sync: thread pool; async: awaited) under the per-request
@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
-from protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
+from tailrace.protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
+from tailrace.protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
 
 __all__ = ["RewardRouter", "RewardUnavailable", "ScoreFailed", "main", "run_server", "serve", "to_reply"]
 
@@ -239,7 +239,7 @@ def main(score_fn: ScoreFn | None = None, argv: list[str] | None = None) -> int:
             parser.error("--fn must look like module:function")
         score_fn = getattr(importlib.import_module(module), attr)
     key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
-    from protocol.transport import TransportError
+    from tailrace.protocol.transport import TransportError
 
     try:
         reason = run_server(score_fn, args.connect, tasks=[t for t in args.tasks.split(",") if t],

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from engine.config import RewardConfig
-from engine.trainer.rewards import RewardDispatcher, ScoringFailed
+from tailrace.engine.config import RewardConfig
+from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
 
 
 def dispatcher(fn, mode="builtin"):

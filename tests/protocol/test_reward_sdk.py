@@ -1,5 +1,5 @@
 """Reward-server SDK and RewardRouter on the in-process twin: values, errors, timeouts, concurrency,
-retries. Run: pytest tests/protocol/test_reward.py
+retries. Run: pytest tests/protocol/test_reward_sdk.py
 """
 
 import asyncio
@@ -15,10 +15,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from protocol import codec
-from protocol.messages import ErrorCode, Hello, Score, ScoreError, ScoreRequest, Welcome
-from protocol.reward import RewardRouter, RewardUnavailable, ScoreFailed, serve, to_reply
-from protocol.transport import Server
+from tailrace.protocol import codec
+from tailrace.protocol.messages import ErrorCode, Hello, Score, ScoreError, ScoreRequest, Welcome
+from tailrace.protocol.reward_sdk import RewardRouter, RewardUnavailable, ScoreFailed, serve, to_reply
+from tailrace.protocol.transport import Server
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,7 @@ reward functions (engine/tasks.py) for the rest.
     reward.mode = "builtin": only built-in functions
 
 A completion that cannot be scored raises ScoringFailed with the reason the controller counts it
-under (reward_error, reward_timeout, reward_nan, no_reward_fn). Test: pytest tests/engine/test_rewards.py
+under (reward_error, reward_timeout, reward_nan, no_reward_fn). Test: pytest tests/engine/test_scoring.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import RewardConfig
+from tailrace.engine.config import RewardConfig
 
 
 class ScoringFailed(Exception):
@@ -35,7 +35,7 @@ class RewardDispatcher:
         self.cfg = cfg
         self.router = router
         if builtin is None:
-            from engine.tasks import REWARD_FNS
+            from tailrace.engine.tasks import REWARD_FNS
 
             builtin = REWARD_FNS
         self.builtin = builtin if cfg.mode != "servers" else {}
@@ -66,7 +66,7 @@ class RewardDispatcher:
         return reward
 
     async def _score_remote(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
-        from protocol.reward import RewardUnavailable, ScoreFailed
+        from tailrace.protocol.reward_sdk import RewardUnavailable, ScoreFailed
 
         try:
             score = await self.router.score(task, prompt, completion, metadata, timeout_s=self.cfg.timeout_s,
