@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 
 def _check(cond: bool, name: str, text: str) -> None:
     if not cond:
@@ -300,23 +302,16 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
+def _inline(value: Any) -> str:
+    """A value as inline TOML text, for the README's reference table (files go through tomli_w)."""
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value}).partition(" = ")[2].strip()
 
 
 def to_toml(cfg: RunConfig) -> str:
-    lines = []
-    for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved config as the TOML file written into the run folder (load_config reads it back)."""
+    return tomli_w.dumps(to_dict(cfg))
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -339,6 +334,6 @@ def reference_markdown() -> str:
         comments = _field_comments(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{section.name}.{f.name}` | `{_toml_value(default)}` | "
+            lines.append(f"| `{section.name}.{f.name}` | `{_inline(default)}` | "
                          f"{comments.get(f.name, '').replace('|', '/')} |")
     return "\n".join(lines)

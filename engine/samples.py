@@ -2,7 +2,7 @@
 
 A `TrainSample` holds tensors on the CPU; the learner moves what it needs to its device. Building these
 from decoded protocol `Rollout` messages is the integrator's job (engine/trainer wiring).
-Tested through tests/engine/test_learner.py and tests/engine/test_batcher.py.
+Tested through tests/engine/test_learner.py and tests/engine/test_replay.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Branch-replay: exact shared-prefix training over the prefix trie of a step's samples (issue 4).
+"""Branch-replay: exact shared-prefix training over the prefix trie of a step's samples.
 
     trie.py       the trie of token ids: segments, path depths, loss rows (branching tokens included)
     forward.py    functional forward of the supported families: cached path prefix, tree mask

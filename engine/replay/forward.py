@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tailrace.engine.models import SUPPORTED_MODEL_TYPES
 from tailrace.engine.replay.attention import SegmentRows, paths_attention
 from tailrace.kernels.logprobs import chunked_logprobs
 from tailrace.kernels.tree_attention import TRITON_DTYPES
 from tailrace.kernels.tree_attention import tree_attention as kernel_tree_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FAMILIES = "Llama, Mistral, Qwen2 and Qwen3 (model_type llama, mistral, qwen2, qwen3)"
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}

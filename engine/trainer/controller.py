@@ -5,16 +5,20 @@
     generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
 
 Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
-they return. Every sample handed out ends as trained or discarded with a reason (DESIGN.md invariant 4);
-`check_accounting` proves it. Test: pytest tests/engine/test_controller.py
+they return. Every sample handed out ends as trained or discarded with a reason (README, "Architecture");
+`check_accounting` proves it and raises AccountingError when it does not hold. Test: pytest tests/engine/test_controller.py
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class AccountingError(RuntimeError):
+    """A sample was lost or counted twice: handed out != trained + discarded + in flight."""
 
 
 @dataclass
@@ -262,9 +266,10 @@ class Controller:
         total = self.samples_trained + sum(self.discarded.values())
         in_flight = sum(len(g.assigned) - len(g.discarded) for g in self.groups.values())
         in_flight += sum(len(g.results) for g in self.complete)
-        assert self.samples_handed_out == total + in_flight, (
-            f"accounting broken: handed out {self.samples_handed_out}, trained {self.samples_trained}, "
-            f"discarded {dict(self.discarded)}, in flight {in_flight}")
+        if self.samples_handed_out != total + in_flight:
+            raise AccountingError(
+                f"accounting broken: handed out {self.samples_handed_out}, trained {self.samples_trained}, "
+                f"discarded {dict(self.discarded)}, in flight {in_flight}")
 
     def stats(self) -> dict[str, float]:
         return {
@@ -292,5 +297,3 @@ def _runs(ids: list[int]) -> Iterator[tuple[int, int]]:
     if start is not None:
         yield start, prev - start + 1
 
-
-PromptFactory = Callable[[], Iterator[PromptRecord]]

@@ -5,7 +5,7 @@
     clip -> AdamW -> LR schedule -> policy_version + 1 -> metrics
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
-micro-batches) lives here; branch-replay and packed tries (issue 4) register themselves in STRATEGIES.
+micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
 Test: pytest tests/engine/test_learner.py
 """
 
@@ -22,7 +22,6 @@ from typing import Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
@@ -36,6 +35,7 @@ from tailrace.engine.trainer.loss import (
     assign_advantages,
     finalize_metrics,
 )
+from tailrace.kernels.logprobs import chunked_logprobs
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -118,51 +118,6 @@ def seed_everything(seed: int) -> None:
 # ------------------------------------------------------------------------------------------- log-probs
 
 
-def _chunk_logprobs(
-    hidden_CH: torch.Tensor, lm_head: nn.Module, labels_C: torch.Tensor, temperature_C: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_CV = lm_head(hidden_CH)
-    logits_CV = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
-    # Division, not multiplication by 1/T: the same rounding as the generator's logits / temperature.
-    logits_CV = logits_CV / temperature_C.to(logits_CV.dtype)[:, None]
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
-    logp_C = logits_CV.gather(-1, labels_C[:, None]).squeeze(-1) - lse_C
-    entropy_C = logp_C.new_zeros(0)
-    if with_entropy:
-        with torch.no_grad():
-            entropy_C = lse_C - (torch.softmax(logits_CV, dim=-1) * logits_CV).sum(-1)
-    return logp_C, entropy_C
-
-
-def completion_logprobs(
-    hidden_NH: torch.Tensor,
-    lm_head: nn.Module,
-    labels_N: torch.Tensor,
-    temperature_N: torch.Tensor,
-    *,
-    chunk_rows: int,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of labels_N under softmax(lm_head(hidden) / temperature).
-
-    Only the selected rows reach the LM head, a chunk at a time; with autograd on, each chunk is
-    recomputed in backward (activation checkpointing), so at most one [chunk, V] float32 block of
-    logits is alive, never the [B, T, V] tensor. kernels/logprobs.py (issue 4) replaces this.
-    """
-    logps, entropies = [], []
-    recompute = torch.is_grad_enabled() and hidden_NH.requires_grad
-    for start in range(0, hidden_NH.shape[0], chunk_rows):
-        args = (hidden_NH[start : start + chunk_rows], lm_head, labels_N[start : start + chunk_rows],
-                temperature_N[start : start + chunk_rows], with_entropy)
-        if recompute:
-            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            logp_C, entropy_C = _chunk_logprobs(*args)
-        logps.append(logp_C)
-        entropies.append(entropy_C)
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
-
-
 def _check_plain_lm_head(model: nn.Module) -> None:
     for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(model.config, attr, None) not in (None, 1.0):
@@ -243,8 +198,14 @@ def forward_logprobs(
         use_cache=False,
     )
     hidden_NH = out.last_hidden_state[mb.row_N, mb.col_N]
-    return completion_logprobs(hidden_NH, model.get_output_embeddings(), mb.labels_N, mb.temperature_N,
-                               chunk_rows=chunk_rows, with_entropy=with_entropy)
+    head = model.get_output_embeddings()
+    # Only the loss rows reach the LM head, a chunk at a time (tailrace.kernels.logprobs): at most one
+    # [chunk, V] block of logits is alive, never the [B, T, V] tensor.
+    out = chunked_logprobs(hidden_NH, head.weight, mb.labels_N, bias_V=getattr(head, "bias", None),
+                           temperature=mb.temperature_N, chunk_size=chunk_rows, return_entropy=with_entropy)
+    if not with_entropy:
+        return out, None
+    return out[0], out[1].detach()
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Entry point of `tailrace trainer`: parse the config, then import torch and run the trainer service.
 
-Run: tailrace trainer --config examples/tiny.toml [--train.steps 10] [--resume]
+Run: tailrace trainer [--config FILE] [--train.steps 10] [--resume]
 Under torchrun every rank builds the learner; rank 0 alone speaks the protocol.
 """
 

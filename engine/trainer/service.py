@@ -234,7 +234,6 @@ class TrainerService:
             "trainer/policy_version": self.learner.policy_version,
         } | self.controller.stats()
         self.sink.log(self.learner.step_count, metrics)
-        self.last_metrics = metrics
         self.state = "syncing_weights"
         await self.publish_weights()
         every = self.cfg.checkpoint.every_steps

@@ -38,6 +38,14 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(path) == cfg
 
 
+def test_resolved_config_round_trips_strings_toml_must_escape(tmp_path):
+    cfg = load_config(None, ["--data.prompt_field", 'q"uote\\back\tslash\nnew line', "--model.path", "C:\\m\u00e9"])
+    cfg.data.prompt_field = 'q"uote\\ tab\t newline\n bell\x07'
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
 def test_readme_reference_is_current():
     readme = (ROOT / "README.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"

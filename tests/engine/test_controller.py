@@ -1,11 +1,13 @@
 """Controller decisions with fake generators: admission under the staleness bound, re-dispatch after a
 generator dies, batch formation, and the accounting invariant (handed out == trained + discarded)."""
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 
-from tailrace.engine.trainer.controller import Controller, PromptRecord
+from tailrace.engine.trainer.controller import AccountingError, Controller, PromptRecord
 
 
 @dataclass
@@ -84,6 +86,24 @@ def test_redispatch_after_generator_death_and_accounting():
     ctrl.on_trained(batch, 0)
     ctrl.check_accounting()
     assert ctrl.samples_handed_out == 7 and ctrl.samples_trained == 4
+
+
+def test_broken_accounting_raises_even_under_python_O(tmp_path):
+    ctrl = make(group_size=4, groups_per_step=1)
+    ctrl.request_work("g0", 4)
+    finish(ctrl, 0)
+    batch = ctrl.pop_batch()
+    ctrl.on_trained(batch, 0)
+    ctrl.samples_trained += 1  # a sample counted twice
+    with pytest.raises(AccountingError, match="handed out 4, trained 5"):
+        ctrl.check_accounting()
+    # a real error, not an assert: python -O keeps it
+    code = ("from tailrace.engine.trainer.controller import Controller, AccountingError\n"
+            "c = Controller(iter([]), group_size=1, groups_per_step=1, max_staleness=0)\n"
+            "c.samples_handed_out = 1\n"
+            "try:\n    c.check_accounting()\nexcept AccountingError:\n    print('raised')\n")
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "raised", done.stderr[-2000:]
 
 
 def test_duplicates_and_unknown_rejected():

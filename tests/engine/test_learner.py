@@ -14,11 +14,11 @@ from tailrace.engine.trainer.learner import (
     LearnerConfig,
     LRSchedule,
     NaiveForwardBackward,
-    completion_logprobs,
     plan_micro_batches,
     sample_logprobs,
 )
 from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss, assign_advantages, policy_loss
+from tailrace.kernels.logprobs import chunked_logprobs
 
 torch.set_num_threads(1)
 VOCAB = 64
@@ -59,7 +59,9 @@ def test_chunked_logprobs_match_full_log_softmax():
     hidden = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, VOCAB, (11,), generator=gen)
     temp = torch.rand(11, generator=gen, dtype=torch.float64) + 0.5
-    logp, entropy = completion_logprobs(hidden, head, labels, temp, chunk_rows=4, with_entropy=True)
+    # what forward_logprobs calls with a model's LM head
+    logp, entropy = chunked_logprobs(hidden, head.weight, labels, temperature=temp, chunk_size=4,
+                                     return_entropy=True)
     logp.sum().backward()
     grads = (hidden.grad.clone(), head.weight.grad.clone())
     hidden.grad, head.weight.grad = None, None
