@@ -67,10 +67,14 @@ class SamplingConfig:
 class ControllerConfig:
     max_staleness: int = 1  # policy versions a sample may lag the trained policy; 0 = on-policy
     max_groups_in_flight: int = 0  # 0 = derived: (max_staleness + 1) * train.groups_per_step
+    lease_s: float = 0.0  # how long a generator may hold a sample; 0 = derived: max(30 s, 4 x sampling.max_new_tokens x its measured s/token)
+    stall_warn_s: float = 5.0  # the trainer says what blocks it after waiting this long for a batch
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "controller.max_staleness", "must be >= 0")
         _check(self.max_groups_in_flight >= 0, "controller.max_groups_in_flight", "must be >= 0")
+        _check(self.lease_s >= 0, "controller.lease_s", "must be >= 0")
+        _check(self.stall_warn_s > 0, "controller.stall_warn_s", "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -78,7 +82,7 @@ class RewardConfig:
     mode: str = "auto"  # auto: attached servers for their tasks, built-in functions for the rest; builtin; servers
     timeout_s: float = 30.0  # per score request
     retries: int = 2  # a failed or timed-out request is retried on another server this often
-    wait_for_server_s: float = 60.0  # in "servers" mode, how long a completion waits for a server
+    wait_for_server_s: float = 60.0  # how long a completion only a server can score waits for one (then: no_reward_server)
 
     def __post_init__(self):
         _check(self.mode in ("auto", "builtin", "servers"), "reward.mode",

@@ -169,6 +169,12 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: b
                     msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
                 except TimeoutError:
                     continue
+                if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over"):
+                    if steps is not None:
+                        steps.write(f"trainer: {msg.text}")
+                    else:
+                        print(f"trainer: {msg.text}", flush=True)
+                    continue
                 if isinstance(msg, m.Stats) and msg.role == "generator":
                     throughput[msg.name] = msg.counters.get("generator/throughput/wall_tokens_per_s", 0.0)
                 if not (isinstance(msg, m.Stats) and msg.role == "trainer"):

@@ -3,6 +3,7 @@
     data source --(admit, within the staleness gate)--> pending sample ranges --(WorkRequest)--> generators
     generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(pop_batch)--> learner
     generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
+    lease runs out --> the sample is reclaimed ("lease_expired") and re-queued; a late result is dropped
 
 Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
 they return. Every sample handed out ends as trained or discarded with a reason (README, "Architecture");
@@ -12,7 +13,7 @@ they return. Every sample handed out ends as trained or discarded with a reason 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ class GroupState:
     admitted_version: int  # policy version when admitted: generators must sample with >= this
     group_size: int
     assigned: dict[int, str] = field(default_factory=dict)  # sample_id -> generator peer name
+    leases: dict[int, tuple[float, float]] = field(default_factory=dict)  # sample_id -> (handed out, deadline)
+    expired: dict[int, str] = field(default_factory=dict)  # sample_id -> peer whose lease on it ran out
     results: dict[int, Any] = field(default_factory=dict)  # sample_id -> scored sample
     discarded: set[int] = field(default_factory=set)
     pending_scores: set[int] = field(default_factory=set)  # received, being scored
@@ -55,8 +58,12 @@ class GroupState:
         return len(self.results) + len(self.discarded) == self.group_size and not self.pending_scores
 
     def min_version(self) -> int:
-        """Oldest policy version among received samples, or the admission version if none yet."""
+        """Oldest policy version the group can end up with: its received samples' oldest versions, and the
+        admission version while any sample is still in flight or queued (it may be sampled with that
+        version, the oldest a generator may use for it)."""
         versions = [s.min_policy_version for s in self.results.values()]
+        if len(self.results) + len(self.discarded) < self.group_size:
+            versions.append(self.admitted_version)
         return min(versions, default=self.admitted_version)
 
 
@@ -86,9 +93,7 @@ class Controller:
         self.policy_version = policy_version
         self.groups_admitted = groups_admitted  # over the whole run, resumes included
         self.base_admitted = groups_admitted - policy_version * groups_per_step
-        # Never admit groups for steps the run will not take (0 = unbounded); groups that end with no
-        # trainable sample are replaced.
-        self.max_groups = self.base_admitted + total_steps * groups_per_step if total_steps else None
+        self.total_steps = total_steps  # 0 = unbounded
         self.groups_empty = 0
         self.source_exhausted = False
         self.stopping = False
@@ -102,9 +107,17 @@ class Controller:
 
     @property
     def exhausted(self) -> bool:
-        """No group will ever be admitted again: the prompts ran out or the run's steps are covered."""
-        return self.source_exhausted or (
-            self.max_groups is not None and self.groups_admitted >= self.max_groups + self.groups_empty)
+        """No group will ever be admitted again: the prompts ran out or the run took all its steps."""
+        return self.source_exhausted or bool(self.total_steps and self.policy_version >= self.total_steps)
+
+    def _enough_for_the_run(self) -> bool:
+        """The groups admitted and not yet trained cover the run's remaining steps. Not final: a group
+        may still end with no trainable sample, and a step may take more than groups_per_step (forced
+        stale groups), so admission opens again when that changes."""
+        if not self.total_steps:
+            return False
+        needed = (self.total_steps - self.policy_version) * self.groups_per_step
+        return len(self.groups) + len(self.complete) >= needed
 
     # ------------------------------------------------------------------------------- admission
 
@@ -112,7 +125,7 @@ class Controller:
         allowed = self.base_admitted + (self.policy_version + self.max_staleness + 1) * self.groups_per_step
         in_flight = len(self.groups)
         return (not self.stopping and not self.exhausted and self.groups_admitted < allowed + self.groups_empty
-                and in_flight < self.max_groups_in_flight)
+                and in_flight < self.max_groups_in_flight and not self._enough_for_the_run())
 
     def _admit_one(self) -> bool:
         try:
@@ -126,9 +139,11 @@ class Controller:
         self.queue.append(SampleRange(group_id, 0, self.group_size))
         return True
 
-    def request_work(self, peer: str, capacity: int) -> WorkDecision | None:
+    def request_work(self, peer: str, capacity: int, *, now: float = 0.0,
+                     lease_s: float = float("inf")) -> WorkDecision | None:
         """Work for a generator with room for `capacity` samples, or None to park the request
-        until the gate opens (a new policy version, a re-queued range)."""
+        until the gate opens (a new policy version, a re-queued range). Each sample handed out is leased
+        to `peer` until now + lease_s (see expire_leases)."""
         items = []
         while capacity > 0:
             if not self.queue and not (self._gate_open() and self._admit_one()):
@@ -142,6 +157,7 @@ class Controller:
             group = self.groups[rng.group_id]
             for sid in range(rng.first_sample_id, rng.first_sample_id + take):
                 group.assigned[sid] = peer
+                group.leases[sid] = (now, now + lease_s)
             self.samples_handed_out += take
             capacity -= take
             items.append((group.prompt, SampleRange(rng.group_id, rng.first_sample_id, take),
@@ -164,13 +180,17 @@ class Controller:
         if group is None:
             return "unknown_group"
         if group.assigned.get(sample_id) != peer:
-            return "not_assigned"
+            return "lease_expired" if group.expired.get(sample_id) == peer else "not_assigned"
         if sample_id in group.results or sample_id in group.discarded or sample_id in group.pending_scores:
             return "duplicate"
         return None
 
-    def on_received(self, group_id: int, sample_id: int) -> None:
-        self.groups[group_id].pending_scores.add(sample_id)
+    def on_received(self, group_id: int, sample_id: int) -> float | None:
+        """The sample's result arrived (it is being scored); returns when it was handed out."""
+        group = self.groups[group_id]
+        group.pending_scores.add(sample_id)
+        handed_out, _ = group.leases.pop(sample_id, (None, None))
+        return handed_out
 
     # Scoring finishes asynchronously: after on_stop the group is gone and was already counted.
     def on_scored(self, group_id: int, sample_id: int, sample: Any) -> None:
@@ -201,14 +221,38 @@ class Controller:
     def on_generator_dead(self, peer: str) -> list[SampleRange]:
         """Samples handed to a dead generator and not yet received are discarded ("generator_dead") and
         re-queued at the front, so the group completes from another generator."""
+        return self._reclaim(lambda group, sid: group.assigned[sid] == peer, "generator_dead")
+
+    def expire_leases(self, now: float) -> dict[str, int]:
+        """Samples whose lease ran out before their result arrived are reclaimed ("lease_expired") and
+        re-queued at the front; the late result, if it comes, is dropped. Returns {peer: samples}."""
+        held: collections.Counter[str] = collections.Counter()
+
+        def expired(group: GroupState, sid: int) -> bool:
+            if group.leases.get(sid, (now, now))[1] >= now:
+                return False
+            held[group.assigned[sid]] += 1
+            group.expired[sid] = group.assigned[sid]
+            return True
+
+        self._reclaim(expired, "lease_expired")
+        return dict(held)
+
+    def next_lease_end(self) -> tuple[float, str] | None:
+        """(deadline, peer) of the lease that runs out first, for the watchdog."""
+        leases = [(end, g.assigned[sid]) for g in self.groups.values() for sid, (_, end) in g.leases.items()]
+        return min(leases, default=None)
+
+    def _reclaim(self, lost_if: Callable[[GroupState, int], bool], reason: str) -> list[SampleRange]:
         requeued = []
         for group in self.groups.values():
-            lost = sorted(sid for sid, owner in group.assigned.items()
-                          if owner == peer and sid not in group.results and sid not in group.discarded
-                          and sid not in group.pending_scores)
+            lost = sorted(sid for sid in list(group.assigned)
+                          if sid not in group.results and sid not in group.discarded
+                          and sid not in group.pending_scores and lost_if(group, sid))
             for sid in lost:
                 del group.assigned[sid]
-                self.discarded["generator_dead"] += 1
+                group.leases.pop(sid, None)
+                self.discarded[reason] += 1
             for first, count in _runs(lost):
                 requeued.append(SampleRange(group.group_id, first, count))
         self.queue.extendleft(reversed(requeued))

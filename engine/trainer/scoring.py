@@ -2,16 +2,19 @@
 reward functions (engine/tasks.py) for the rest.
 
     reward.mode = "auto":    a server that scores the task if one is attached, else the built-in function
-    reward.mode = "servers": only servers; a completion waits up to reward.wait_for_server_s for one
+    reward.mode = "servers": only servers
     reward.mode = "builtin": only built-in functions
+A completion only a server can score waits up to reward.wait_for_server_s for one, also when its server
+leaves mid-request (a restarted server takes over); `waiting` counts them per task for the watchdog.
 
 A completion that cannot be scored raises ScoringFailed with the reason the controller counts it
-under (reward_error, reward_timeout, reward_nan, no_reward_fn). Test: pytest tests/engine/test_scoring.py
+under (reward_error, reward_timeout, reward_nan, no_reward_server, no_reward_fn). Test: pytest tests/engine/test_scoring.py
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +30,10 @@ class ScoringFailed(Exception):
         self.text = text
 
 
+class ServerGone(Exception):
+    """No attached server could take the request (the last one left, or left mid-request)."""
+
+
 class RewardDispatcher:
     """`router` is the trainer-side client of reward servers (protocol.reward.RewardRouter) or None."""
 
@@ -40,19 +47,49 @@ class RewardDispatcher:
             builtin = REWARD_FNS
         self.builtin = builtin if cfg.mode != "servers" else {}
         self.num_scored = {"server": 0, "builtin": 0}
+        self.waiting: collections.Counter[str] = collections.Counter()  # task -> completions waiting for a server
 
     def _has_server(self, task: str) -> bool:
         return self.router is not None and self.router.has_server(task)
 
     async def score(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
-        if self.cfg.mode != "builtin":
-            deadline = time.monotonic() + (self.cfg.wait_for_server_s if self.cfg.mode == "servers" else 0.0)
-            while not self._has_server(task) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self._has_server(task):
+        if self.cfg.mode != "builtin" and (self.cfg.mode == "servers" or task not in self.builtin):
+            return await self._score_waiting(task, prompt, completion, metadata)
+        if self.cfg.mode == "auto" and self._has_server(task):
+            try:
                 reward = await self._score_remote(task, prompt, completion, metadata)
+            except ServerGone:
+                pass  # the server left mid-request: the built-in function scores it instead
+            else:
                 self.num_scored["server"] += 1
                 return reward
+        return self._score_builtin(task, prompt, completion, metadata)
+
+    async def _score_waiting(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+        """Only a server can score `task`: wait up to reward.wait_for_server_s for one, also when the
+        server scoring it goes away mid-request (a restarted server takes over), then give up."""
+        wait_s = self.cfg.wait_for_server_s
+        deadline = time.monotonic() + wait_s
+        self.waiting[task] += 1
+        try:
+            while True:
+                if self._has_server(task):
+                    try:
+                        reward = await self._score_remote(task, prompt, completion, metadata)
+                    except ServerGone:
+                        pass
+                    else:
+                        self.num_scored["server"] += 1
+                        return reward
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            self.waiting[task] -= 1
+        raise ScoringFailed("no_reward_server", f"task {task!r}: no reward server scored it within "
+                                                f"reward.wait_for_server_s = {wait_s:g} s")
+
+    def _score_builtin(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
         fn = self.builtin.get(task)
         if fn is None:
             where = "no reward server scores it" if self.cfg.mode != "builtin" else "no built-in function"
@@ -75,7 +112,7 @@ class RewardDispatcher:
             reason = "reward_timeout" if getattr(exc, "code", 0) == 504 else "reward_error"
             raise ScoringFailed(reason, str(exc)) from exc
         except RewardUnavailable as exc:
-            raise ScoringFailed("no_reward_fn", str(exc)) from exc
+            raise ServerGone(str(exc)) from exc
         return _check_reward(score.reward)
 
 

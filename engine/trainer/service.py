@@ -6,6 +6,9 @@
                 worker thread (the event loop keeps serving meanwhile), then publishes version V+1
                 (WeightsNotice to generators and on the notice socket) and serves parked requests
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
+    watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
+                loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
+                "stall" on the notice socket, which `tailrace run` prints under its progress bar)
 Drafter sharing (net loop): a generator's WeightsNotice(model="drafter") newer than the served drafter
 starts one fetch from that generator (WeightsFetch -> its WeightsChunks); the assembled drafter is
 republished as drafter version max(served + 1, announced) to every generator and on the notice socket.
@@ -33,9 +36,10 @@ from tailrace.engine import models
 from tailrace.engine.config import RunConfig, to_toml
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
-from tailrace.engine.samples import Group, TrainSample
-from tailrace.engine.trainer import checkpoint
+from tailrace.engine.samples import TrainSample
+from tailrace.engine.trainer import checkpoint, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState, PromptRecord
+from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossConfig
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
@@ -46,6 +50,9 @@ log = logging.getLogger("tailrace.trainer")
 
 DRAFTER_FILE = "drafter.safetensors"  # in a checkpoint folder: the last drafter the trainer served
 DRAFTER_FETCH_TIMEOUT_S = 60.0  # a drafter fetch older than this gives way to the next announcement
+LEASE_FLOOR_S = 30.0  # a derived lease is never shorter (model load, first prefill, a busy machine)
+LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
+LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
 
 
 def learner_config(cfg: RunConfig) -> LearnerConfig:
@@ -132,6 +139,9 @@ class TrainerService:
         self.rewards: RewardDispatcher | None = None
         self.scoring: set[asyncio.Task] = set()
         self.started_s = time.monotonic()
+        self.waiting_since_s: float | None = None  # when the train loop began waiting for a batch
+        self.stall_said: tuple[str, float] = ("", 0.0)  # (what, when) the watchdog last said
+        self.s_per_token: dict[str, float] = {}  # generator -> measured seconds per completion token (EMA)
         self.train_busy_s = 0.0
         self.token_totals = collections.Counter(counters.get("tokens", {}))  # branch-replay bookkeeping
 
@@ -171,13 +181,14 @@ class TrainerService:
             self.state = "idle"
             net = asyncio.create_task(self.net_loop(), name="net")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
+            watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
             try:
                 await self.train_loop()
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, *self.scoring):
+                for task in (net, stats, watchdog, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, *self.scoring, return_exceptions=True)
+                await asyncio.gather(net, stats, watchdog, *self.scoring, return_exceptions=True)
                 summary = self.finish()
         return summary
 
@@ -204,15 +215,19 @@ class TrainerService:
                     break
             if batch is None:
                 self.changed.clear()
+                if self.waiting_since_s is None:
+                    self.waiting_since_s = time.monotonic()
                 await self.changed.wait()
+                await self.serve_parked()  # whatever changed (a discard, a reclaim) may open the gate
                 continue
+            self.waiting_since_s = None
             await self.train_step(batch)
         if self.learner.step_count >= total:
             self.stop_reason = self.stop_reason or f"reached train.steps = {total}"
 
     async def train_step(self, batch: list[GroupState]) -> None:
         version = self.learner.policy_version
-        groups = [_to_group(g) for g in batch]
+        groups = [to_group(g) for g in batch]
         self.state = "training"
         started = time.monotonic()
         metrics = await asyncio.to_thread(self.learner.step, groups)
@@ -297,8 +312,16 @@ class TrainerService:
         self.parked.pop(peer.id, None)
         await self.answer_work(peer, msg.capacity)
 
+    def lease_s(self, peer_name: str) -> float:
+        """How long `peer_name` may hold a sample: controller.lease_s, or derived from its measured speed."""
+        if self.cfg.controller.lease_s > 0:
+            return self.cfg.controller.lease_s
+        expected_s = self.s_per_token.get(peer_name, 0.0) * self.cfg.sampling.max_new_tokens
+        return min(LEASE_CEILING_S, max(LEASE_FLOOR_S, LEASE_MARGIN * expected_s))
+
     async def answer_work(self, peer: Any, capacity: int) -> None:
-        decision = self.controller.request_work(peer.name, capacity)
+        decision = self.controller.request_work(peer.name, capacity, now=time.monotonic(),
+                                                lease_s=self.lease_s(peer.name))
         if decision is None:
             self.parked[peer.id] = capacity
             return
@@ -329,8 +352,12 @@ class TrainerService:
             self.counters[f"rollouts_dropped/{reason}"] += 1
             return
         group = self.controller.groups[msg.group_id]
-        problem = self.check_rollout_content(group, msg)
-        self.controller.on_received(msg.group_id, msg.sample_id)
+        problem = rollout_problem(group, msg, self.vocab_size)
+        handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
+        if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
+            per_token = (time.monotonic() - handed_out_s) / msg.completion_token_ids.shape[0]
+            last = self.s_per_token.get(peer.name)
+            self.s_per_token[peer.name] = per_token if last is None else 0.8 * last + 0.2 * per_token
         if problem is not None:
             reason, text = problem
             log.warning("rollout %d/%d from %s discarded: %s", msg.group_id, msg.sample_id, peer.name, text)
@@ -340,27 +367,6 @@ class TrainerService:
         task = asyncio.create_task(self.score(group.prompt, msg))
         self.scoring.add(task)
         task.add_done_callback(self.scoring.discard)
-
-    def check_rollout_content(self, group: GroupState, msg: m.Rollout) -> tuple[str, str] | None:
-        num = msg.completion_token_ids.shape[0]
-        if msg.finish_reason in ("cancelled", "error"):
-            return "generator_" + msg.finish_reason, f"finish_reason {msg.finish_reason}"
-        if num == 0:
-            return "empty_completion", "the completion has no tokens"
-        if msg.prompt_token_ids.tolist() != group.prompt.token_ids:
-            return "bad_rollout", "prompt_token_ids differ from the prompt handed out"
-        ids = msg.completion_token_ids
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            return "bad_rollout", f"completion token ids outside [0, {self.vocab_size})"
-        if msg.min_policy_version < group.admitted_version:
-            return "bad_rollout", (f"sampled with policy version {msg.min_policy_version}, older than the "
-                                   f"required {group.admitted_version}")
-        if int(msg.policy_versions.min()) != msg.min_policy_version or \
-                int(msg.policy_versions.max()) != msg.max_policy_version:
-            return "bad_rollout", "min/max_policy_version disagree with policy_versions"
-        if not bool(torch.isfinite(msg.behaviour_logprobs).all()) or bool((msg.behaviour_logprobs > 0).any()):
-            return "bad_rollout", "behaviour_logprobs must be finite and <= 0"
-        return None
 
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
@@ -508,6 +514,9 @@ class TrainerService:
         return m.Stats(role="trainer", name="trainer", state=self.state, policy_version=self.learner.policy_version,
                        counters=counters, wall_s=time.time())
 
+    async def watchdog_loop(self) -> None:
+        await watchdog.watch(self)
+
     async def stats_loop(self) -> None:
         while True:
             await self.server.publish(self.stats())
@@ -577,11 +586,6 @@ def check_drafter_layout(tensors: dict[str, Any], served: dict[str, Any] | None)
     the trainer holds no drafter of its own; generators validate again in Drafter.load_state)."""
     if served is not None:
         check_same_layout(tensors, served, "drafter state")
-
-
-def _to_group(state: GroupState) -> Group:
-    samples = [state.results[sid] for sid in sorted(state.results)]
-    return Group(group_id=state.group_id, samples=samples, task=state.prompt.task, metadata=state.prompt.metadata)
 
 
 def _read_key(path: str) -> bytes | None:

@@ -162,11 +162,11 @@ def test_no_admission_beyond_the_run_and_empty_groups_replaced():
     ctrl = make(group_size=2, groups_per_step=2, max_staleness=3, total_steps=1)
     work = ctrl.request_work("g0", 100)
     assert len(work.items) == 2  # one step of 2 groups, although staleness would allow 8
-    assert ctrl.exhausted
+    assert ctrl.request_work("g0", 100) is None  # parked: enough for the run unless a group ends empty
     ctrl.on_received(0, 0)
     ctrl.on_discard(0, 0, "bad_rollout")
     ctrl.on_received(0, 1)
     ctrl.on_discard(0, 1, "bad_rollout")  # group 0 ends with nothing to train: a replacement is admitted
-    assert not ctrl.exhausted
+    assert ctrl.request_work_possible()
     work = ctrl.request_work("g0", 100)
     assert [r.group_id for _, r, _ in work.items] == [2]

@@ -76,3 +76,72 @@ async def test_generator_with_wrong_vocabulary_is_rejected(tmp_path):
     finally:
         service.request_stop("test over")
         await asyncio.wait_for(run, 60)
+
+
+async def take_work(gen, capacity, version=0):
+    await gen.send(m.WorkRequest(capacity=capacity, policy_version=version))
+    while True:
+        msg = await asyncio.wait_for(gen.recv(), 20)
+        if isinstance(msg, m.Work):
+            return msg
+
+
+@pytest.mark.timeout(120)
+async def test_a_silent_generator_loses_its_samples_when_the_lease_runs_out(tmp_path):
+    """A peer says Hello as a generator, takes 4 samples, keeps heartbeating and never returns them: after
+    controller.lease_s they go to another generator, the watchdog says what the trainer waits for, the
+    run finishes, and the silent one's late result is dropped as lease_expired."""
+    service = make_service(tmp_path, "--controller.lease_s", "1.5", "--controller.stall_warn_s", "0.5")
+    vocab, eos = service.vocab_size, service.tokenizer.eos_token_id
+    good = [service.tokenizer.convert_tokens_to_ids(c) for c in "ab"] + [eos]
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    caps = {"vocab_size": vocab}
+    async with Client(address, role="generator", name="silent", capabilities=caps) as silent, \
+            Client(address, role="tool", name="watcher") as watcher:
+        await asyncio.wait_for(silent.connect(), 10)
+        await asyncio.wait_for(watcher.connect(), 10)
+        await watcher.subscribe()
+        held = (await take_work(silent, 4)).items[0]
+        stall = None
+        while stall is None:  # said within a few seconds, naming the holder and its lease
+            msg = await asyncio.wait_for(watcher.recv_notice(), 10)
+            if isinstance(msg, m.Event) and msg.event == "stall":
+                stall = msg.text
+        assert "silent holds 4" in stall and "lease" in stall, stall
+        async with Client(address, role="generator", name="honest", capabilities=caps) as honest:
+            await asyncio.wait_for(honest.connect(), 10)
+            work = await asyncio.wait_for(take_work(honest, 4), 10)  # parked until the lease ran out
+            item = work.items[0]
+            assert (item.group_id, item.first_sample_id, item.num_samples) == (held.group_id, 0, 4)
+            await silent.send(rollout(held, 0, good))  # too late: dropped
+            for sid in range(4):
+                await honest.send(rollout(item, sid, good))
+            summary = await asyncio.wait_for(run, 60)
+    assert summary["steps"] == 1 and summary["samples_trained"] == 4
+    assert {k: n for k, n in summary["discarded"].items() if n} == {"lease_expired": 4}
+    assert summary["samples_handed_out"] == 8
+    assert service.counters["rollouts_dropped/lease_expired"] == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_rollout_sampled_with_a_too_old_policy_is_discarded(tmp_path):
+    service = make_service(tmp_path, "--train.steps", "2", "--controller.max_staleness", "0")
+    vocab, eos = service.vocab_size, service.tokenizer.eos_token_id
+    good = [service.tokenizer.convert_tokens_to_ids(c) for c in "ab"] + [eos]
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    async with Client(address, role="generator", name="gen", capabilities={"vocab_size": vocab}) as gen:
+        await asyncio.wait_for(gen.connect(), 10)
+        item = (await take_work(gen, 4)).items[0]
+        for sid in range(4):
+            await gen.send(rollout(item, sid, good))
+        item = (await take_work(gen, 4, version=1)).items[0]  # admitted once version 1 exists
+        assert item.min_policy_version == 1
+        await gen.send(rollout(item, 0, good, version=0))  # claims the old policy sampled it
+        for sid in range(1, 4):
+            await gen.send(rollout(item, sid, good, version=1))
+        summary = await asyncio.wait_for(run, 60)
+    assert summary["steps"] == 2 and summary["samples_trained"] == 7
+    assert {k: n for k, n in summary["discarded"].items() if n} == {"bad_rollout": 1}
+    assert summary["max_staleness_seen"] == 0

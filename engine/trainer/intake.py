@@ -1,0 +1,40 @@
+"""What the trainer takes in from generators: the checks a rollout passes before it is scored, and the
+scored samples of a complete group as the learner's Group. Pure functions over messages and controller
+state. Test: pytest tests/engine/test_trainer_service.py (rollouts refused with a reason).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailrace.engine.samples import Group
+from tailrace.engine.trainer.controller import GroupState
+from tailrace.protocol import messages as m
+
+
+def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int) -> tuple[str, str] | None:
+    """(discard reason, text) if a rollout for a sample we wait for is not one we can train, else None."""
+    num = msg.completion_token_ids.shape[0]
+    if msg.finish_reason in ("cancelled", "error"):
+        return "generator_" + msg.finish_reason, f"finish_reason {msg.finish_reason}"
+    if num == 0:
+        return "empty_completion", "the completion has no tokens"
+    if msg.prompt_token_ids.tolist() != group.prompt.token_ids:
+        return "bad_rollout", "prompt_token_ids differ from the prompt handed out"
+    ids = msg.completion_token_ids
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        return "bad_rollout", f"completion token ids outside [0, {vocab_size})"
+    if msg.min_policy_version < group.admitted_version:
+        return "bad_rollout", (f"sampled with policy version {msg.min_policy_version}, older than the "
+                               f"required {group.admitted_version}")
+    if int(msg.policy_versions.min()) != msg.min_policy_version or \
+            int(msg.policy_versions.max()) != msg.max_policy_version:
+        return "bad_rollout", "min/max_policy_version disagree with policy_versions"
+    if not bool(torch.isfinite(msg.behaviour_logprobs).all()) or bool((msg.behaviour_logprobs > 0).any()):
+        return "bad_rollout", "behaviour_logprobs must be finite and <= 0"
+    return None
+
+
+def to_group(state: GroupState) -> Group:
+    samples = [state.results[sid] for sid in sorted(state.results)]
+    return Group(group_id=state.group_id, samples=samples, task=state.prompt.task, metadata=state.prompt.metadata)

@@ -1,0 +1,121 @@
+"""The trainer's watchdog: leases that run out are reclaimed, and a train loop that waits says why.
+
+    every second   controller.expire_leases(now): samples held past their lease are re-queued for
+                   another generator ("lease_expired"); their late results are dropped
+    after controller.stall_warn_s of waiting for a batch
+                   diagnose() names what blocks progress, most specific first: completions waiting for a
+                   reward server of a task, no generator connected, samples held by a generator (and when
+                   its lease ends), every generator parked; said on the log, as Event "stall" on the
+                   notice socket (`tailrace run` prints it under its bar), and again every STALL_REPEAT_S
+                   while it lasts; Event "stall_over" when training resumes.
+
+`diagnose` is pure (tested with fakes); `watch` is the loop the trainer service runs.
+Test: pytest tests/engine/test_watchdog.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("tailrace.trainer")
+
+STALL_REPEAT_S = 15.0  # a stall that goes on is said again this often
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the watchdog sees of the trainer when it has waited for a batch."""
+
+    waiting_s: float
+    reward_waiting: dict[str, int]  # task -> completions waiting for a reward server
+    wait_for_server_s: float
+    generators: list[str]  # connected generator names
+    parked: int  # generators whose work request is parked
+    held: dict[str, int]  # generator -> samples it holds (handed out, result not in)
+    next_lease: tuple[float, str] | None  # (seconds left, generator) of the lease that ends first
+    groups_in_flight: int
+    groups_complete: int
+    groups_per_step: int
+    scoring: int  # completions being scored
+
+
+def diagnose(s: Situation) -> str:
+    """One line that says what the trainer waits for."""
+    waiting = f"no step for {s.waiting_s:.0f} s"
+    tasks = {task: n for task, n in s.reward_waiting.items() if n > 0}
+    if tasks:
+        named = ", ".join(f"{task!r} ({n} completions)" for task, n in sorted(tasks.items()))
+        return (f"{waiting}: no reward server attached for task {named}; they are discarded as "
+                f"no_reward_server after reward.wait_for_server_s = {s.wait_for_server_s:g} s "
+                f"(attach one: tailrace reward --connect ADDR --fn module:function --tasks TASK)")
+    if not s.generators:
+        return f"{waiting}: no generator connected (start one: tailrace generator --connect ADDR)"
+    if s.held:
+        holders = ", ".join(f"{name} holds {n}" for name, n in sorted(s.held.items()))
+        lease = ""
+        if s.next_lease is not None:
+            left_s, peer = s.next_lease
+            lease = f"; the first lease ({peer}) ends in {max(0.0, left_s):.0f} s, then its samples go elsewhere"
+        return f"{waiting}: waiting for samples in flight ({holders}){lease}"
+    if s.scoring:
+        return f"{waiting}: {s.scoring} completions being scored by reward servers"
+    if s.parked == len(s.generators):
+        return (f"{waiting}: every generator is parked ({s.groups_in_flight} groups in flight, "
+                f"{s.groups_complete}/{s.groups_per_step} complete for the step)")
+    return (f"{waiting}: {s.groups_in_flight} groups in flight, {s.groups_complete}/{s.groups_per_step} "
+            f"complete for the step")
+
+
+def situation(service: Any, now: float) -> Situation:
+    ctrl = service.controller
+    held: collections.Counter[str] = collections.Counter()
+    for group in ctrl.groups.values():
+        for sid in group.leases:
+            held[group.assigned[sid]] += 1
+    next_lease = ctrl.next_lease_end()
+    generators = [p.name for p in service.server.peers.values() if p.role == "generator"]
+    return Situation(
+        waiting_s=now - (service.waiting_since_s or now),
+        reward_waiting=dict(service.rewards.waiting) if service.rewards else {},
+        wait_for_server_s=service.cfg.reward.wait_for_server_s, generators=generators,
+        parked=len(service.parked), held=dict(held),
+        next_lease=(next_lease[0] - now, next_lease[1]) if next_lease else None,
+        groups_in_flight=len(ctrl.groups), groups_complete=len(ctrl.complete),
+        groups_per_step=ctrl.groups_per_step, scoring=len(service.scoring))
+
+
+async def watch(service: Any, interval_s: float = 1.0) -> None:
+    """Reclaim expired leases and say stalls, until cancelled."""
+    said, said_at = "", 0.0
+    while True:
+        await asyncio.sleep(interval_s)
+        now = time.monotonic()
+        reclaimed = service.controller.expire_leases(now)
+        for peer, count in reclaimed.items():
+            text = f"generator {peer} held {count} samples past their lease: re-dispatched"
+            log.warning(text)
+            service.counters["trainer/leases/expired"] += count
+            await service.server.publish(service.event("lease_expired", text, peer=peer, samples=count))
+        if reclaimed:
+            await service.serve_parked()
+            service.changed.set()
+        waiting_since = service.waiting_since_s
+        if waiting_since is None or service.stop_requested:
+            if said:
+                await service.server.publish(service.event("stall_over", "training resumed"))
+                said = ""
+            continue
+        if now - waiting_since < service.cfg.controller.stall_warn_s:
+            continue
+        text = diagnose(situation(service, now))
+        cause = text.split(": ", 1)[-1]
+        if cause.split(" (")[0] != said.split(" (")[0] or now - said_at >= STALL_REPEAT_S:
+            log.warning("stalled: %s", text)
+            service.counters["trainer/stalls/said"] += 1
+            await service.server.publish(service.event("stall", text))
+            said, said_at = cause, now
