@@ -93,8 +93,9 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    algorithm: str = "grpo"  # grpo: RL on generated, scored groups; dpo: preference pairs from data.source, no generators
     steps: int = 150  # optimizer steps of the run
-    groups_per_step: int = 8  # GRPO groups per optimizer step
+    groups_per_step: int = 8  # GRPO groups (dpo: preference pairs) per optimizer step
     lr: float = 5e-4  # AdamW learning rate
     lr_schedule: str = "constant"  # constant | cosine | linear
     warmup_steps: int = 0  # linear warmup before the schedule
@@ -110,8 +111,13 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     seed: int = 0  # torch / numpy / python seeds of the trainer
+    dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
 
     def __post_init__(self):
+        _check(self.algorithm in ("grpo", "dpo"), "train.algorithm", f"{self.algorithm!r} is not one of grpo, dpo")
+        _check(self.dpo_beta > 0, "train.dpo_beta", "must be > 0")
+        _check(self.algorithm != "dpo" or self.replay != "naive", "train.replay",
+               "dpo runs on the shared-prefix modes: auto, replay or packed, not naive")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.groups_per_step >= 1, "train.groups_per_step", "must be >= 1")
         _check(self.lr > 0, "train.lr", "must be > 0")

@@ -219,6 +219,12 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
 
 def main(args: Any, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
+    if cfg.train.algorithm == "dpo":  # one role: nothing to launch or supervise beside the trainer
+        from tailrace.engine.trainer.main import main as trainer_main
+
+        print("tailrace run: train.algorithm = dpo: training on data.source in this process, no generators "
+              "or reward servers", flush=True)
+        return trainer_main(args, overrides)
     if cfg.trainer.bind == TrainerConfig().bind and not any(o.startswith("--trainer.bind") for o in overrides):
         cfg.trainer.bind = "tcp://127.0.0.1:0"  # a free port: several runs can share a machine
     if not cfg.trainer.run_name:

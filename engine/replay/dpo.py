@@ -6,8 +6,10 @@ S: a sample's summed completion log-prob under the policy, R: under the referenc
 over tokens, so a strategy first runs one forward without autograd for every S (set_sequence_logprobs),
 then the usual forward/backward with the per-token linearisation sum_rows c_sample * logp_row, where
 c_s = d loss / d S_s: the same gradient as backpropagating the DPO loss itself, since dS_s = sum of the
-sample's d logp. In the trie, chosen and rejected share their prompt, which runs once.
-Test: pytest tests/engine/test_replay.py -k dpo
+sample's d logp. In the trie, chosen and rejected share their prompt, which runs once; the reference
+model's S come from the same trie walk (sequence_logprobs). The `train.algorithm = "dpo"` trainer mode
+(engine/trainer/dpo.py) runs this loss.
+Test: pytest tests/engine/test_replay.py -k dpo; pytest tests/engine/test_dpo.py
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from tailrace.engine.replay.forward import decoder_spec
+from tailrace.engine.replay.replay import summed_logprobs
+from tailrace.engine.replay.trie import build_trie
+from tailrace.engine.samples import TrainSample
 from tailrace.engine.trainer.loss import LossNormaliser
+
+# Keys of DPOLoss's pair statistics (sums over pairs, except loss_dpo: already the mean).
+PAIR_STAT_KEYS = ("loss_dpo", "pairs", "accuracy", "chosen_reward", "rejected_reward")
 
 
 def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: torch.Tensor,
@@ -55,10 +65,12 @@ class DPOLoss:
         (self.coef_S,) = torch.autograd.grad(loss, seq)
         self.value = float(loss.detach())
         with torch.no_grad():
-            ref = self.ref_S
-            margin = (seq[self.chosen] - ref[self.chosen]) - (seq[self.rejected] - ref[self.rejected])
+            # The implicit rewards beta * (S - R) of chosen and rejected samples; accuracy counts positive margins.
+            reward = self.beta * (seq.detach() - self.ref_S)
+            chosen, rejected = reward[self.chosen], reward[self.rejected]
             self._pair_stats = {"loss_dpo": loss.detach(), "pairs": torch.tensor(float(self.chosen.numel())),
-                                "accuracy": (margin > 0).sum().to(torch.float64)}
+                                "accuracy": (chosen > rejected).sum().to(torch.float64),
+                                "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum()}
 
     def __call__(self, logp_N: torch.Tensor, sample_idx_N: torch.Tensor, pos_N: torch.Tensor,
                  normaliser: LossNormaliser, *, entropy_N: torch.Tensor | None = None):
@@ -71,3 +83,24 @@ class DPOLoss:
             stats.update(self._pair_stats)
             self._pair_stats = None
         return loss, stats
+
+
+def pair_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """DPOLoss's pair statistics of a step -> metrics named trainer/dpo/<name>. reward_margin is the mean of
+    beta * (chosen log-ratio - rejected log-ratio); accuracy the share of pairs where it is positive."""
+    num_pairs = float(stats["pairs"])
+    chosen, rejected = float(stats["chosen_reward"]) / num_pairs, float(stats["rejected_reward"]) / num_pairs
+    return {
+        "trainer/dpo/loss": float(stats["loss_dpo"]),
+        "trainer/dpo/reward_margin": chosen - rejected,
+        "trainer/dpo/accuracy": float(stats["accuracy"]) / num_pairs,
+        "trainer/dpo/chosen_reward": chosen,
+        "trainer/dpo/rejected_reward": rejected,
+        "trainer/dpo/pairs": num_pairs,
+    }
+
+
+def sequence_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int) -> torch.Tensor:
+    """Each sample's summed completion log-prob under `model` (float64 [S], CPU, no autograd), over the
+    samples' trie: a pair's shared prompt runs once, as in the policy's forward."""
+    return summed_logprobs(model, decoder_spec(model), build_trie(samples), chunk_rows)

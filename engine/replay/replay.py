@@ -323,10 +323,12 @@ def prepare_sequence_loss(model: nn.Module, spec: DecoderSpec, trie: Trie, loss_
     """A loss that is not a sum over tokens (DPO: a function of each sample's summed log-prob) declares
     `set_sequence_logprobs`; it gets every sample's summed log-prob first (one forward without autograd)
     and turns into the per-token linearisation whose gradient is the exact gradient of the sequence loss."""
-    if not hasattr(loss_fn, "set_sequence_logprobs"):
-        return
+    if hasattr(loss_fn, "set_sequence_logprobs"):
+        loss_fn.set_sequence_logprobs(summed_logprobs(model, spec, trie, chunk_rows))
+
+
+def summed_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: int) -> torch.Tensor:
+    """Each sample's summed completion log-prob (float64 [S], CPU), shared prefixes run once, no autograd."""
     rows = trie_logprobs(model, spec, trie, chunk_rows)
-    num_samples = len(trie.sample_path)
-    sums = torch.zeros(num_samples, dtype=torch.float64).index_add_(0, trie.row_sample_R, rows)
-    loss_fn.set_sequence_logprobs(sums)
+    return torch.zeros(len(trie.sample_path), dtype=torch.float64).index_add_(0, trie.row_sample_R, rows)
 

@@ -361,8 +361,21 @@ class Learner:
             loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=self._ref_logprobs(mine))
             add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
         stats = dist.all_reduce_stats_(stats)
-        dist.all_reduce_grads_(self.params)
+        staleness = [self.policy_version - s.min_policy_version for s in samples]
+        update = self.apply_gradients()
 
+        metrics = finalize_metrics(stats)
+        metrics.update(_batch_metrics(samples, normaliser, staleness, stats))
+        # A strategy's own counts (e.g. unique tokens under branch-replay) pass through by name.
+        metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
+                        if k not in STAT_KEYS and k != "padded_tokens"})
+        metrics.update(update)
+        metrics["trainer/time/step_s"] = time.monotonic() - start_s
+        return metrics
+
+    def apply_gradients(self) -> dict[str, float]:
+        """All-reduce the accumulated gradients, clip, AdamW, LR schedule, count the step; its metrics."""
+        dist.all_reduce_grads_(self.params)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -376,24 +389,15 @@ class Learner:
             # LambdaLR warns when the optimizer did not step, which is exactly the skipped case.
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
             self.scheduler.step()
-        staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1
         self.policy_version += 1
-
-        metrics = finalize_metrics(stats)
-        metrics.update(_batch_metrics(samples, normaliser, staleness, stats))
-        # A strategy's own counts (e.g. unique tokens under branch-replay) pass through by name.
-        metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
-                        if k not in STAT_KEYS and k != "padded_tokens"})
-        metrics.update({
+        return {
             "trainer/step": float(self.step_count),
             "trainer/policy_version": float(self.policy_version),
             "trainer/lr": lr,
             "trainer/grad/norm": grad_norm,
             "trainer/grad/skipped": float(skipped),
-            "trainer/time/step_s": time.monotonic() - start_s,
-        })
-        return metrics
+        }
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
         if self.ref_model is None or self.config.loss.kl_coef == 0.0:

@@ -1,7 +1,8 @@
 """Entry point of `tailrace trainer`: parse the config, then import torch and run the trainer service.
 
 Run: tailrace trainer [--config FILE] [--train.steps 10] [--resume]
-Under torchrun every rank builds the learner; rank 0 alone speaks the protocol.
+Under torchrun every rank builds the learner; rank 0 alone speaks the protocol. With
+train.algorithm = "dpo" the trainer trains on preference pairs alone (engine/trainer/dpo.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def main(args: Any, overrides: list[str]) -> int:
     if info.world_size > 1:
         raise ValueError("multi-rank training is not wired into the trainer service yet: run one rank "
                          "(the learner and engine/trainer/dist.py are ready for it)")
-    service = TrainerService(cfg, resume=args.resume)
-    summary = run(service.run())
-    print(json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
+    if cfg.train.algorithm == "dpo":  # preference pairs from data.source: no peers, no protocol
+        from tailrace.engine.trainer.dpo import DPOTrainer
+
+        summary = DPOTrainer(cfg, resume=args.resume).run()
+    else:
+        summary = run(TrainerService(cfg, resume=args.resume).run())
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))  # not the per-step lists
     return 0
