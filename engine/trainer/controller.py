@@ -13,6 +13,7 @@ they return. Every sample handed out ends as trained or discarded with a reason 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,14 +85,18 @@ class Controller:
 
     def __init__(self, prompts: Iterator[PromptRecord], *, group_size: int, groups_per_step: int,
                  max_staleness: int, max_groups_in_flight: int = 0, policy_version: int = 0,
-                 groups_admitted: int = 0, total_steps: int = 0):
-        self.prompts = prompts
+                 groups_admitted: int = 0, total_steps: int = 0, next_group_id: int | None = None,
+                 unfinished: list[PromptRecord] | None = None):
+        """After a resume, `unfinished` are the prompts of groups the checkpoint did not train (admitted
+        again first), `groups_admitted` excludes them and `next_group_id` keeps group ids unique."""
+        self.prompts = itertools.chain(unfinished or [], prompts)
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.max_groups_in_flight = max_groups_in_flight or (max_staleness + 1) * groups_per_step
         self.policy_version = policy_version
         self.groups_admitted = groups_admitted  # over the whole run, resumes included
+        self.next_group_id = groups_admitted if next_group_id is None else next_group_id
         self.base_admitted = groups_admitted - policy_version * groups_per_step
         self.total_steps = total_steps  # 0 = unbounded
         self.groups_empty = 0
@@ -104,6 +109,7 @@ class Controller:
         self.samples_trained = 0
         self.discarded: collections.Counter[str] = collections.Counter()
         self.max_staleness_seen = 0
+        self.stopped_prompts: list[PromptRecord] = []  # prompts of the groups on_stop ended untrained
 
     @property
     def exhausted(self) -> bool:
@@ -133,7 +139,8 @@ class Controller:
         except StopIteration:
             self.source_exhausted = True
             return False
-        group_id = self.groups_admitted
+        group_id = self.next_group_id
+        self.next_group_id += 1
         self.groups_admitted += 1
         self.groups[group_id] = GroupState(group_id, prompt, self.policy_version, self.group_size)
         self.queue.append(SampleRange(group_id, 0, self.group_size))
@@ -292,8 +299,10 @@ class Controller:
 
     def on_stop(self, reason: str = "run_ended") -> list[int]:
         """Stop admitting; every sample handed out and not trained is discarded with `reason`.
-        Returns the group ids to cancel at the generators."""
+        Returns the group ids to cancel at the generators; their prompts stay in `stopped_prompts`."""
         self.stopping = True
+        self.stopped_prompts = [g.prompt for g in sorted([*self.groups.values(), *self.complete],
+                                                          key=lambda g: g.group_id)]
         cancelled = []
         for group in self.groups.values():
             # handed out and neither trained nor already discarded (generator_dead ones left `assigned`)
@@ -304,6 +313,15 @@ class Controller:
         self.complete.clear()
         self.queue.clear()  # queued ranges were never handed out
         return cancelled
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], list[PromptRecord]]:
+        """What a checkpoint records: counters consistent with what it trained (samples in flight are not
+        counted as handed out: after a resume their groups are handed out again, from scratch), and the
+        prompts of the groups not yet trained, to admit again first."""
+        unfinished = sorted([*self.groups.values(), *self.complete], key=lambda g: g.group_id)
+        counters = {"samples_handed_out": self.samples_trained + sum(self.discarded.values()),
+                    "groups_admitted": self.groups_admitted - len(unfinished), "next_group_id": self.next_group_id}
+        return counters, [g.prompt for g in unfinished]
 
     def check_accounting(self) -> None:
         """Invariant 4: handed out == trained + discarded (once nothing is in flight)."""

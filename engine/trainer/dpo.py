@@ -36,7 +36,7 @@ from tailrace.engine.samples import TrainSample
 from tailrace.engine.trainer import checkpoint, dist
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossNormaliser
-from tailrace.engine.trainer.service import learner_config, make_run_dir
+from tailrace.engine.trainer.runs import learner_config, make_run_dir
 
 log = logging.getLogger("tailrace.trainer")
 

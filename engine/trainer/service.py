@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -33,15 +34,15 @@ from typing import Any
 import torch
 
 from tailrace.engine import models
-from tailrace.engine.config import RunConfig, to_toml
+from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import TrainSample
 from tailrace.engine.trainer import checkpoint, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState, PromptRecord
 from tailrace.engine.trainer.intake import rollout_problem, to_group
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
-from tailrace.engine.trainer.loss import LossConfig
+from tailrace.engine.trainer.learner import Learner
+from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
 from tailrace.engine.weights import WeightsAssembler, WeightsStore, check_same_layout
 from tailrace.protocol import messages as m
@@ -53,25 +54,6 @@ DRAFTER_FETCH_TIMEOUT_S = 60.0  # a drafter fetch older than this gives way to t
 LEASE_FLOOR_S = 30.0  # a derived lease is never shorter (model load, first prefill, a busy machine)
 LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
 LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
-
-
-def learner_config(cfg: RunConfig) -> LearnerConfig:
-    t = cfg.train
-    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap,
-                      kl_coef=t.kl_coef, aggregation=t.loss_agg, scale_advantages=t.adv_norm_std)
-    return LearnerConfig(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                         micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss)
-
-
-def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
-    name = cfg.trainer.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.trainer.runs_dir) / name
-    if resume and not (run_dir / "checkpoint").is_dir():
-        raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    return run_dir
 
 
 class TrainerService:
@@ -112,7 +94,8 @@ class TrainerService:
                                      max_groups_in_flight=cfg.controller.max_groups_in_flight,
                                      policy_version=self.learner.policy_version,
                                      groups_admitted=position.get("groups_admitted", 0),
-                                     total_steps=cfg.train.steps)
+                                     total_steps=cfg.train.steps, next_group_id=position.get("next_group_id"),
+                                     unfinished=[PromptRecord(**p) for p in position.get("unfinished", [])])
         self.controller.samples_handed_out = counters.get("samples_handed_out", 0)
         self.controller.samples_trained = counters.get("samples_trained", 0)
         self.controller.discarded.update(counters.get("discarded", {}))
@@ -125,6 +108,8 @@ class TrainerService:
         self.drafter_state: dict[str, torch.Tensor] | None = None  # the served drafter, for checkpoints
         if resume_from is not None:
             self.restore_drafter(resume_from)
+        if resume_from is not None:  # steps after the checkpoint are trained again: log them once
+            keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)
         self.sink = make_sink(self.run_dir)
         self.counters: collections.Counter[str] = collections.Counter()
         self.state = "starting"
@@ -535,9 +520,15 @@ class TrainerService:
 
     def save_checkpoint(self) -> Path:
         self.state = "checkpointing"
+        consistent, unfinished = self.controller.checkpoint_state()
+        if self.controller.stopping:  # on_stop has counted them run_ended; the next run admits them again
+            unfinished = self.controller.stopped_prompts
         folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position={
-            "prompts_consumed": self.source.position, "groups_admitted": self.controller.groups_admitted,
-        }, counters=self.summary(), tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
+            "prompts_consumed": self.source.position, "groups_admitted": consistent["groups_admitted"],
+            "next_group_id": consistent["next_group_id"],
+            "unfinished": [dataclasses.asdict(p) for p in unfinished],
+        }, counters=self.summary() | {"samples_handed_out": consistent["samples_handed_out"]},
+            tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
         if self.drafter_state is not None and folder.is_dir():  # rank 0 alone relays drafters
             from safetensors.torch import save_file
 

@@ -150,3 +150,46 @@ def test_a_lease_that_runs_out_re_dispatches_and_drops_the_late_result():
     ctrl.on_stop()
     ctrl.check_accounting()
     assert ctrl.samples_trained == 4 and ctrl.samples_handed_out == 4 + 3 + 4  # 4 more for group 1
+
+
+def test_resume_from_a_checkpoint_trains_every_prompt_once_and_accounts_exactly():
+    """A checkpoint taken with groups in flight and complete-but-untrained: the resumed controller admits
+    exactly those prompts again first, counts nothing twice, and its group ids never repeat."""
+    source = prompts()
+    first = Controller(source, group_size=2, groups_per_step=2, max_staleness=1, total_steps=4)
+    trained: list[int] = []
+
+    def step(ctrl, version, peer="g"):
+        while (batch := ctrl.pop_batch()) is None:
+            decision = ctrl.request_work(peer, 3)
+            assert decision is not None
+            for _, r, _ in decision.items:
+                for sid in range(r.first_sample_id, r.first_sample_id + r.num_samples):
+                    ctrl.on_received(r.group_id, sid)
+                    ctrl.on_scored(r.group_id, sid, FakeSample(version))
+        ctrl.on_trained(batch, version)
+        trained.extend(g.prompt.prompt_id for g in batch)
+        ctrl.on_new_version(version + 1)
+
+    step(first, 0)
+    step(first, 1)
+    first.request_work("g", 3)  # more in flight at the checkpoint
+    counters, unfinished = first.checkpoint_state()
+    assert unfinished and counters["samples_handed_out"] == first.samples_trained + sum(first.discarded.values())
+    assert counters["samples_handed_out"] < first.samples_handed_out  # the in-flight ones are not counted
+    resumed = Controller(source, group_size=2, groups_per_step=2, max_staleness=1, total_steps=4,
+                         policy_version=2, groups_admitted=counters["groups_admitted"],
+                         next_group_id=counters["next_group_id"], unfinished=unfinished)
+    resumed.samples_handed_out = counters["samples_handed_out"]
+    resumed.samples_trained = first.samples_trained
+    resumed.discarded.update(first.discarded)
+    ids_before = set(first.groups) | {g.group_id for g in first.complete}
+    step(resumed, 2)
+    assert not ids_before & {g.group_id for g in resumed.complete} | set(resumed.groups)
+    step(resumed, 3)
+    resumed.on_stop()
+    resumed.check_accounting()
+    assert len(trained) == len(set(trained))  # no prompt twice
+    after = trained[trained.index(unfinished[0].prompt_id):]
+    assert after[:len(unfinished)] == [p.prompt_id for p in unfinished]  # the unfinished ones come first
+    assert max(trained) == len(trained) - 1  # and none was skipped

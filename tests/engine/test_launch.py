@@ -82,3 +82,39 @@ def test_default_run_learns_within_five_minutes(tmp_path):
     assert wall_s < 300, f"tailrace run took {wall_s:.0f} s"
     assert summary["reward_last"] >= summary["reward_first"] + 0.15, summary
     assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+
+
+@pytest.mark.timeout(280)
+def test_kill_9_of_the_trainer_then_resume_accounts_exactly(tmp_path):
+    """The trainer dies by kill -9 between checkpoints with samples in flight; `--resume` finishes the run
+    with handed out == trained + discarded, and metrics.jsonl holds every step exactly once."""
+    run_dir = tmp_path / "runs" / "k9"
+    common = ["--trainer.run_name", "k9", "--train.groups_per_step", "2", "--sampling.group_size", "4",
+              "--launch.num_generators", "1", "--checkpoint.every_steps", "2", "--checkpoint.keep", "5"]
+    proc = _run(tmp_path, *common, "--train.steps", "1000")
+    try:
+        deadline = time.monotonic() + 180
+        while _metrics_steps(run_dir) < 5:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        trainer_pid = json.loads((run_dir / "endpoint.json").read_text())["pid"]
+        os.kill(trainer_pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "trainer" in out, out
+    assert _processes_mentioning(str(run_dir)) == []
+    checkpointed = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoint").iterdir()
+                       if p.name.startswith("step_"))
+
+    total = checkpointed + 3
+    resumed = _run(tmp_path, *common, "--train.steps", str(total), "--resume")
+    out, _ = resumed.communicate(timeout=200)
+    assert resumed.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == total
+    assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, total + 1))

@@ -162,7 +162,7 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[t
     from tailrace.engine.modelled import train_tokens
     from tailrace.engine.samples import Group, TrainSample, flatten_samples
     from tailrace.engine.trainer.learner import Learner
-    from tailrace.engine.trainer.service import learner_config
+    from tailrace.engine.trainer.runs import learner_config
 
     by_id = {p.prompt_id: p for p in prompts}
     groups: dict[int, list] = {}

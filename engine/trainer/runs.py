@@ -1,0 +1,49 @@
+"""A run's folder and the learner's settings from the run config, shared by the GRPO and DPO trainers.
+
+    runs/<name>/config.toml    the resolved config (make_run_dir)
+    runs/<name>/metrics.jsonl  one line per step; after a resume, the lines of steps past the checkpoint
+                               (logged before a crash, trained again) are dropped (keep_metrics_up_to)
+Test: pytest tests/engine/test_launch.py tests/engine/test_dpo.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tailrace.engine.config import RunConfig, to_toml
+from tailrace.engine.trainer.learner import LearnerConfig
+from tailrace.engine.trainer.loss import LossConfig
+
+
+def learner_config(cfg: RunConfig) -> LearnerConfig:
+    t = cfg.train
+    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap,
+                      kl_coef=t.kl_coef, aggregation=t.loss_agg, scale_advantages=t.adv_norm_std)
+    return LearnerConfig(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                         micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss)
+
+
+def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
+    name = cfg.trainer.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.runs_dir) / name
+    if resume and not (run_dir / "checkpoint").is_dir():
+        raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    return run_dir
+
+
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """Drop metrics.jsonl lines of steps after `step` (a crash after the checkpoint logged them)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
