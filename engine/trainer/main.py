@@ -13,7 +13,8 @@ from typing import Any
 from tailrace.engine.config import load_config
 
 
-def main(args: Any, overrides: list[str]) -> int:
+def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
+    """make_learner: TrainerService's seam (engine/trainer/service.py LearnerFactory); None is Learner."""
     cfg = load_config(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     import torch
@@ -27,7 +28,7 @@ def main(args: Any, overrides: list[str]) -> int:
     if info.world_size > 1:
         raise ValueError("multi-rank training is not wired into the trainer service yet: run one rank "
                          "(the learner and engine/trainer/dist.py are ready for it)")
-    service = TrainerService(cfg, resume=args.resume)
+    service = TrainerService(cfg, resume=args.resume, make_learner=make_learner)
     summary = run(service.run())
     print(json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
     return 0

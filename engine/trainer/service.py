@@ -24,6 +24,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,11 @@ def learner_config(cfg: RunConfig) -> LearnerConfig:
                          micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss)
 
 
+LearnerFactory = Callable[..., Learner]
+"""Called as Learner is, (model, LearnerConfig, ref_model=...): the service takes one, so that a benchmark
+can put modelled compute there (tools/benches/modelled.py)."""
+
+
 def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
     name = cfg.trainer.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.runs_dir) / name
@@ -68,7 +74,8 @@ def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
 
 
 class TrainerService:
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None,
+                 make_learner: LearnerFactory | None = None):
         self.cfg = cfg
         self.run_dir = run_dir or make_run_dir(cfg, resume)
         self.run_id = self.run_dir.name
@@ -80,11 +87,7 @@ class TrainerService:
             if cfg.train.kl_coef > 0 else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = model.config.max_position_embeddings
-        self.learner = Learner(model, learner_config(cfg), ref_model=ref)
-        if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of training
-            from tailrace.engine.modelled import load_costs, patch_learner
-
-            patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
+        self.learner = (make_learner or Learner)(model, learner_config(cfg), ref_model=ref)
         state: dict[str, Any] = {}
         resume_from = checkpoint.latest(self.run_dir / "checkpoint") if resume else None
         if resume and resume_from is None:
