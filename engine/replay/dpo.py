@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tailrace.engine.trainer.loss import LossNormaliser
+from tailrace.engine.losses import LossNormaliser
 
 
 def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: torch.Tensor,
@@ -28,7 +28,7 @@ def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: tor
 
 
 class DPOLoss:
-    """A strategy loss (the StepLoss call signature) for pairs of sample indices (chosen, rejected).
+    """A strategy loss (engine/losses.py SequenceLoss) for pairs of sample indices (chosen, rejected).
 
     ref_logprobs_S: each sample's summed completion log-prob under the reference model (float64 [S]).
     """

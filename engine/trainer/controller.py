@@ -16,16 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class PromptRecord:
-    """One prompt as the controller sees it: token ids for the generators, text and metadata for rewards."""
-
-    prompt_id: int
-    token_ids: list[int]
-    text: str
-    task: str
-    metadata: dict[str, Any] = field(default_factory=dict)
+from tailrace.engine.samples import PromptRecord
 
 
 @dataclass

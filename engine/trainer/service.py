@@ -34,9 +34,9 @@ from tailrace.engine import models
 from tailrace.engine.config import RunConfig, to_toml
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.samples import Group, PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint
-from tailrace.engine.trainer.controller import Controller, GroupState, PromptRecord
+from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossConfig
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tailrace.engine.trainer.controller import Controller, PromptRecord
+from tailrace.engine.samples import PromptRecord
+from tailrace.engine.trainer.controller import Controller
 
 
 @dataclass
