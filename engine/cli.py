@@ -68,10 +68,17 @@ def _set_title(role: str) -> None:
     setproctitle.setproctitle(f"tailrace-{role}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = _parser().parse_known_args(argv)
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """(the role's arguments, its dotted config overrides) of a `tailrace` command line."""
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
     if args.role == "reward" and overrides:
-        _parser().error(f"unrecognized arguments: {' '.join(overrides)}")
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    return args, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
     _set_title(args.role)
     try:
         if args.role == "run":

@@ -201,15 +201,6 @@ class LaunchConfig:
 
 
 @dataclass(kw_only=True)
-class ModelledConfig:
-    costs_file: str = ""  # benchmarks only: JSON of measured costs; generators and trainer sleep instead of computing
-
-    def __post_init__(self):
-        _check(not self.costs_file or Path(self.costs_file).is_file(), "modelled.costs_file",
-               f"{self.costs_file!r} does not exist")
-
-
-@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -221,7 +212,6 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    modelled: ModelledConfig = field(default_factory=ModelledConfig)
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

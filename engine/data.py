@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.engine.config import DataConfig
-from tailrace.engine.trainer.controller import PromptRecord
+from tailrace.engine.samples import PromptRecord
 
 
 def _rows_jsonl(path: Path) -> Iterator[dict[str, Any]]:

@@ -1,8 +1,10 @@
-"""Training data as the trainer sees it: one scored sample per completion, grouped by prompt (GRPO groups).
+"""Training data as the trainer sees it: prompts as a prompt source yields them (`PromptRecord`), and one
+scored sample per completion, grouped by prompt (GRPO groups).
 
-A `TrainSample` holds tensors on the CPU; the learner moves what it needs to its device. Building these
-from decoded protocol `Rollout` messages is the integrator's job (engine/trainer wiring).
-Tested through tests/engine/test_learner.py and tests/engine/test_replay.py.
+Shared from below by engine/data.py, the trainer and branch-replay. A `TrainSample` holds tensors on the
+CPU; the learner moves what it needs to its device. Building these from decoded protocol `Rollout`
+messages is the trainer service's job (engine/trainer/service.py).
+Tested through tests/engine/test_learner.py, tests/engine/test_replay.py and tests/engine/test_controller.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass
+class PromptRecord:
+    """One prompt as the controller sees it: token ids for the generators, text and metadata for rewards."""
+
+    prompt_id: int
+    token_ids: list[int]
+    text: str
+    task: str
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, eq=False)

@@ -13,7 +13,8 @@ from typing import Any
 from tailrace.engine.config import load_config
 
 
-def main(args: Any, overrides: list[str]) -> int:
+def main(args: Any, overrides: list[str], *, make_backend: Any = None) -> int:
+    """make_backend: GeneratorService's seam (engine/generator/service.py BackendFactory); None is torch."""
     cfg = load_config(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
     import torch
@@ -23,7 +24,7 @@ def main(args: Any, overrides: list[str]) -> int:
 
     torch.set_num_threads(cfg.launch.torch_threads)
     key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
-    service = GeneratorService(cfg, args.connect, name=args.name, curve_server_key=key)
+    service = GeneratorService(cfg, args.connect, name=args.name, curve_server_key=key, make_backend=make_backend)
     try:
         reason = run(service.run())
     except ConnectionLost as exc:

@@ -1,6 +1,6 @@
 """What goes into the torch backend and what comes out: requests (one sample each), finished samples,
 and the backend's counters. Kept apart from backend.py so that code handling samples (the generator
-service, the modelled backend) needs no decoding machinery.
+service, the modelled backend of tools/benches/modelled.py) needs no decoding machinery.
 Test: pytest tests/engine/test_backend.py
 """
 

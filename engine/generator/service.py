@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,13 +94,31 @@ def decide(s: GenState) -> Action:
     return Action.WAIT
 
 
+BackendFactory = Callable[[RunConfig, Any, Any], Any]
+"""(run config, loaded model, its tokenizer) -> the backend the service samples on (TorchBackend's
+interface). The service takes one, so that a benchmark can put modelled compute there
+(tools/benches/modelled.py)."""
+
+
+def torch_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> Any:
+    """The built-in torch backend for `model`, tree sampling on where generator.fork_depths asks for it."""
+    from tailrace.engine import models
+    from tailrace.engine.generator.backend import TorchBackend
+    from tailrace.engine.generator.tree import TreeSampling
+
+    fork_depths = cfg.generator.fork_depths
+    tree = TreeSampling(fork_depths=fork_depths, branching=cfg.generator.tree_branching) if fork_depths else None
+    return TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
+                        max_model_len=model.config.max_position_embeddings,
+                        eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device, tree=tree)
+
+
 class GeneratorService:
-    def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None):
+    def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
+                 make_backend: BackendFactory | None = None):
         import torch
 
         from tailrace.engine import models
-        from tailrace.engine.generator.backend import TorchBackend
-        from tailrace.engine.generator.tree import TreeSampling
 
         self.cfg = cfg
         self.address = address
@@ -109,19 +128,10 @@ class GeneratorService:
         tokenizer = models.load_tokenizer(model_path)
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        max_len = model.config.max_position_embeddings
-        fork_depths = cfg.generator.fork_depths
-        tree = TreeSampling(fork_depths=fork_depths, branching=cfg.generator.tree_branching) if fork_depths else None
-        self.backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
-                                    eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device,
-                                    tree=tree)
+        self.backend = (make_backend or torch_backend)(cfg, model, tokenizer)
         self.spot = None
         self.spot_thread: ThreadPoolExecutor | None = None
-        if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of decoding
-            from tailrace.engine.modelled import ModelledBackend, load_costs
-
-            self.backend = ModelledBackend(self.backend, load_costs(cfg.modelled.costs_file))
-        elif cfg.generator.speculation:
+        if cfg.generator.speculation:
             from tailrace.engine.generator.bandit import SpecBandit
             from tailrace.engine.generator.drafter import load_or_create
             from tailrace.engine.generator.spot import SpotTrainer

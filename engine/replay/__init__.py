@@ -7,9 +7,9 @@
     packed.py     `packed`: whole tries as one sequence with a tree mask; `auto` picks one of the two
     dpo.py        DPO over a chosen/rejected pair sharing its prompt
 
-STRATEGIES maps the learner's `replay` names to factories from a LearnerConfig; the modules are imported
-only when a strategy is built, so the learner can import this package without a cycle.
-Test: pytest tests/engine/test_trie.py tests/engine/test_replay.py
+STRATEGIES maps the learner's `replay` names to factories from a LearnerConfig. This package imports
+nothing of engine/trainer (the loss types it shares with the learner are in engine/losses.py), so the
+learner imports it directly. Test: pytest tests/engine/test_trie.py tests/engine/test_replay.py
 """
 
 from __future__ import annotations
@@ -17,23 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tailrace.engine.replay.packed import AutoForwardBackward, PackedForwardBackward
+from tailrace.engine.replay.replay import ReplayForwardBackward
 
-def _replay(config: Any):
-    from tailrace.engine.replay.replay import ReplayForwardBackward
 
+def _replay(config: Any) -> ReplayForwardBackward:
     return ReplayForwardBackward(config.logprob_chunk_tokens, config.log_entropy,
                                  max_batch_tokens=config.micro_batch_tokens)
 
 
-def _packed(config: Any):
-    from tailrace.engine.replay.packed import PackedForwardBackward
-
+def _packed(config: Any) -> PackedForwardBackward:
     return PackedForwardBackward(config.micro_batch_tokens, config.logprob_chunk_tokens, config.log_entropy)
 
 
-def _auto(config: Any):
-    from tailrace.engine.replay.packed import AutoForwardBackward
-
+def _auto(config: Any) -> AutoForwardBackward:
     return AutoForwardBackward(_replay(config), _packed(config))
 
 

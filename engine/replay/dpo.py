@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tailrace.engine.losses import LossNormaliser
 from tailrace.engine.replay.forward import decoder_spec
 from tailrace.engine.replay.replay import summed_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.samples import TrainSample
-from tailrace.engine.trainer.loss import LossNormaliser
 
 # Keys of DPOLoss's pair statistics (sums over pairs, except loss_dpo: already the mean).
 PAIR_STAT_KEYS = ("loss_dpo", "pairs", "accuracy", "chosen_reward", "rejected_reward")
@@ -38,7 +38,7 @@ def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: tor
 
 
 class DPOLoss:
-    """A strategy loss (the StepLoss call signature) for pairs of sample indices (chosen, rejected).
+    """A strategy loss (engine/losses.py SequenceLoss) for pairs of sample indices (chosen, rejected).
 
     ref_logprobs_S: each sample's summed completion log-prob under the reference model (float64 [S]).
     """

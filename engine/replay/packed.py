@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tailrace.engine.losses import LossNormaliser, SequenceLoss
 from tailrace.engine.replay.attention import SegmentRows
 from tailrace.engine.replay.forward import (
     DecoderSpec,
@@ -45,7 +46,6 @@ from tailrace.engine.replay.replay import (
 )
 from tailrace.engine.replay.trie import Trie
 from tailrace.engine.samples import TrainSample
-from tailrace.engine.trainer.loss import LossNormaliser, StepLoss
 
 UNIT_OVERHEAD_TOKENS = {"cpu": 64, "cuda": 1024}
 """A replay forward call's fixed cost (Python and small kernels in every layer, forward and backward), in
@@ -119,12 +119,12 @@ class PackedForwardBackward:
     logprob_chunk_tokens: int = 1024
     log_entropy: bool = True
 
-    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         spec, trie = prepare(model, samples, loss_fn, self.logprob_chunk_tokens)
         return self.run(model, spec, trie, loss_fn, normaliser)
 
-    def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: StepLoss,
+    def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: SequenceLoss,
             normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         device = next(model.parameters()).device
         stats: dict[str, torch.Tensor] = {}
@@ -136,7 +136,7 @@ class PackedForwardBackward:
             forward_tokens += pack.num_tokens
         return {**stats, **trie_stats(trie, forward_tokens, 0)}
 
-    def _pack_loss(self, spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: StepLoss,
+    def _pack_loss(self, spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: SequenceLoss,
                    normaliser: LossNormaliser, stats: dict[str, torch.Tensor], device: torch.device):
         nodes = pack.nodes.to(device)
         hidden = tree_forward(spec, trie.tokens_N.to(device)[nodes], trie.depth_N.to(device)[nodes],
@@ -189,7 +189,7 @@ class AutoForwardBackward:
     replay: ReplayForwardBackward
     packed: PackedForwardBackward
 
-    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         spec, trie = prepare(model, samples, loss_fn, self.packed.logprob_chunk_tokens)
         device = next(model.parameters()).device

@@ -15,9 +15,10 @@ an ancestor closes only after all its descendants, so each leaf holds its full g
 closes: the parameter gradient is the naive per-sample one, up to rounding. Memory: the open path's
 keys/values and the kept forwards the budget allows (ReplayForwardBackward.activation_budget_bytes:
 keep an inner segment iff the kept ones + it + the largest single segment still fit; otherwise recompute
-it once at close). The loss is the learner's StepLoss on logical rows (one per sample and completion
-position), so advantages, behaviour log-probs and normalisation are per original sample, as in the
-naive loss; log-probs come from kernels/logprobs.py, never a [tokens, vocab] tensor.
+it once at close). The loss is a SequenceLoss (engine/losses.py: the learner's StepLoss, or DPOLoss) on
+logical rows (one per sample and completion position), so advantages, behaviour log-probs and
+normalisation are per original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
+never a [tokens, vocab] tensor.
 Test: pytest tests/engine/test_replay.py
 """
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.replay.attention import SegmentRows
 from tailrace.engine.replay.forward import (
     DecoderSpec,
@@ -41,7 +43,6 @@ from tailrace.engine.replay.forward import (
 )
 from tailrace.engine.replay.trie import Trie, build_trie
 from tailrace.engine.samples import TrainSample
-from tailrace.engine.trainer.loss import LossNormaliser, StepLoss, add_stats
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
@@ -103,12 +104,12 @@ class ReplayForwardBackward:
     activation_budget_bytes: int | None = None
     max_batch_tokens: int = 8192
 
-    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         spec, trie = prepare(model, samples, loss_fn, self.logprob_chunk_tokens)
         return self.run(model, spec, trie, loss_fn, normaliser)
 
-    def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: StepLoss,
+    def run(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: SequenceLoss,
             normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         device = next(model.parameters()).device
         budget = self.activation_budget_bytes
@@ -152,7 +153,7 @@ def unit_logprobs(spec: DecoderSpec, trie: Trie, segs: range, nodes: torch.Tenso
 
 
 def unit_loss(spec: DecoderSpec, trie: Trie, segs: range, nodes: torch.Tensor, hidden_ND: torch.Tensor,
-              loss_fn: StepLoss, normaliser: LossNormaliser, stats: dict[str, torch.Tensor], *, chunk_rows: int,
+              loss_fn: SequenceLoss, normaliser: LossNormaliser, stats: dict[str, torch.Tensor], *, chunk_rows: int,
               with_entropy: bool) -> torch.Tensor | None:
     """The loss of segments `segs` (unit_logprobs through loss_fn; its statistics added to `stats`)."""
     out = unit_logprobs(spec, trie, segs, nodes, hidden_ND, chunk_rows=chunk_rows, with_entropy=with_entropy)
@@ -174,7 +175,7 @@ class _Replay:
     """One call's depth-first walk; see the module doc. A unit is one inner segment, or a run of sibling
     leaf segments, which run as one forward call (rows of several segments) against the open path."""
 
-    def __init__(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: StepLoss,
+    def __init__(self, model: nn.Module, spec: DecoderSpec, trie: Trie, loss_fn: SequenceLoss,
                  normaliser: LossNormaliser, *, chunk_rows: int, with_entropy: bool, budget_bytes: int,
                  max_batch_tokens: int) -> None:
         self.spec, self.trie, self.loss_fn, self.normaliser = spec, trie, loss_fn, normaliser

@@ -18,20 +18,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailrace.engine.samples import PromptRecord
+
 
 class AccountingError(RuntimeError):
     """A sample was lost or counted twice: handed out != trained + discarded + in flight."""
-
-
-@dataclass
-class PromptRecord:
-    """One prompt as the controller sees it: token ids for the generators, text and metadata for rewards."""
-
-    prompt_id: int
-    token_ids: list[int]
-    text: str
-    task: str
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

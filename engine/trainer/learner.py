@@ -23,18 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.trainer import dist
-from tailrace.engine.trainer.loss import (
-    STAT_KEYS,
-    LossConfig,
-    LossNormaliser,
-    StepLoss,
-    add_stats,
-    assign_advantages,
-    finalize_metrics,
-)
+from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
 from tailrace.kernels.logprobs import chunked_logprobs
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -237,7 +230,7 @@ class ForwardBackward(Protocol):
     reported as trainer/strategy/<key>.
     """
 
-    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]: ...
 
 
@@ -249,7 +242,7 @@ class NaiveForwardBackward:
     logprob_chunk_tokens: int
     log_entropy: bool = True
 
-    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: StepLoss,
+    def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
                  normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         device = next(model.parameters()).device
         stats: dict[str, torch.Tensor] = {}

@@ -3,7 +3,8 @@
 Everything here works on flat per-token tensors, one row per (sample, completion position) pair, so any
 forward/backward strategy (naive micro-batches now, branch-replay or packed tries later) can call the
 loss on whatever rows it has, with each row's own sample's advantage and behaviour log-prob. The loss is
-a sum of per-token terms times per-token weights fixed by the whole step (`LossNormaliser`), so the sum
+a sum of per-token terms times per-token weights fixed by the whole step (`LossNormaliser`, in
+engine/losses.py with the SequenceLoss call that strategies make), so the sum
 over any partition of the step's rows gives the same loss and gradient.
 Test: pytest tests/engine/test_loss.py
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tailrace.engine.losses import LossNormaliser
 from tailrace.engine.samples import Group, TrainSample
 
 AGGREGATIONS = ("token_mean", "sample_mean")
@@ -83,33 +85,6 @@ def assign_advantages(groups: Sequence[Group], config: LossConfig) -> None:
         adv = group_advantages(group.rewards, scale=config.scale_advantages, eps=config.advantage_eps)
         for sample, a in zip(group.samples, adv.tolist(), strict=True):
             sample.advantage = a
-
-
-# ------------------------------------------------------------------------------------------ normalisation
-
-
-@dataclass(frozen=True)
-class LossNormaliser:
-    """Counts of the whole optimizer step (all micro-batches, all ranks), fixed before any forward pass.
-
-    num_tokens: logical completion tokens (a token shared by k samples counts k times, as in the naive
-    loss). num_samples: samples in the step.
-    """
-
-    num_tokens: int
-    num_samples: int
-
-    @classmethod
-    def from_samples(cls, samples: Sequence[TrainSample]) -> LossNormaliser:
-        return cls(num_tokens=sum(s.num_completion_tokens for s in samples), num_samples=len(samples))
-
-    def token_weights(self, lengths_N: torch.Tensor, aggregation: str) -> torch.Tensor:
-        """Per-row weight; lengths_N is the completion length of each row's sample."""
-        assert self.num_tokens > 0 and self.num_samples > 0
-        if aggregation == "token_mean":
-            return torch.full(lengths_N.shape, 1.0 / self.num_tokens, dtype=torch.float64, device=lengths_N.device)
-        assert aggregation == "sample_mean", aggregation
-        return 1.0 / (self.num_samples * lengths_N.to(torch.float64))
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -204,14 +179,9 @@ def finalize_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def add_stats(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for k, v in part.items():
-        total[k] = total[k] + v if k in total else v.clone()
-    return total
-
-
 class StepLoss:
-    """The loss of one step's samples, callable on any subset of their (sample, position) rows.
+    """GRPO's loss of one step's samples, callable on any subset of their (sample, position) rows
+    (engine/losses.py SequenceLoss).
 
     Built once per step from the samples this rank trains (index i means samples[i]); a strategy calls it
     with the log-probs it computed and which rows they are. ref/prox_logprobs: optional per-sample [T]

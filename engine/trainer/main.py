@@ -14,7 +14,8 @@ from typing import Any
 from tailrace.engine.config import load_config
 
 
-def main(args: Any, overrides: list[str]) -> int:
+def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
+    """make_learner: TrainerService's seam (engine/trainer/service.py LearnerFactory); None is Learner."""
     cfg = load_config(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     import torch
@@ -33,6 +34,6 @@ def main(args: Any, overrides: list[str]) -> int:
 
         summary = DPOTrainer(cfg, resume=args.resume).run()
     else:
-        summary = run(TrainerService(cfg, resume=args.resume).run())
+        summary = run(TrainerService(cfg, resume=args.resume, make_learner=make_learner).run())
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))  # not the per-step lists
     return 0

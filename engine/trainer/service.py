@@ -28,6 +28,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,9 @@ from tailrace.engine import models
 from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
-from tailrace.engine.samples import TrainSample
+from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, watchdog
-from tailrace.engine.trainer.controller import Controller, GroupState, PromptRecord
+from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
@@ -56,8 +57,14 @@ LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
 LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
 
 
+LearnerFactory = Callable[..., Learner]
+"""Called as Learner is, (model, LearnerConfig, ref_model=...): the service takes one, so that a benchmark
+can put modelled compute there (tools/benches/modelled.py)."""
+
+
 class TrainerService:
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None,
+                 make_learner: LearnerFactory | None = None):
         self.cfg = cfg
         self.run_dir = run_dir or make_run_dir(cfg, resume)
         self.run_id = self.run_dir.name
@@ -69,11 +76,7 @@ class TrainerService:
             if cfg.train.kl_coef > 0 else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = model.config.max_position_embeddings
-        self.learner = Learner(model, learner_config(cfg), ref_model=ref)
-        if cfg.modelled.costs_file:  # benchmarks: sleep for the measured cost instead of training
-            from tailrace.engine.modelled import load_costs, patch_learner
-
-            patch_learner(self.learner, load_costs(cfg.modelled.costs_file))
+        self.learner = (make_learner or Learner)(model, learner_config(cfg), ref_model=ref)
         state: dict[str, Any] = {}
         resume_from = checkpoint.latest(self.run_dir / "checkpoint") if resume else None
         if resume and resume_from is None:

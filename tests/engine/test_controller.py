@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tailrace.engine.trainer.controller import AccountingError, Controller, PromptRecord
+from tailrace.engine.samples import PromptRecord
+from tailrace.engine.trainer.controller import AccountingError, Controller
 
 
 @dataclass

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.engine.trainer.controller import Controller, PromptRecord
+from tailrace.engine.samples import PromptRecord
+from tailrace.engine.trainer.controller import Controller
 
 
 @dataclass

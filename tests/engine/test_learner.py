@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from tailrace.engine.losses import LossNormaliser
 from tailrace.engine.samples import Group, TrainSample
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import (
@@ -17,7 +18,7 @@ from tailrace.engine.trainer.learner import (
     plan_micro_batches,
     sample_logprobs,
 )
-from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss, assign_advantages, policy_loss
+from tailrace.engine.trainer.loss import LossConfig, StepLoss, assign_advantages, policy_loss
 from tailrace.kernels.logprobs import chunked_logprobs
 
 torch.set_num_threads(1)

@@ -5,12 +5,11 @@ import math
 import pytest
 import torch
 
+from tailrace.engine.losses import LossNormaliser, add_stats
 from tailrace.engine.samples import Group, TrainSample
 from tailrace.engine.trainer.loss import (
     LossConfig,
-    LossNormaliser,
     StepLoss,
-    add_stats,
     assign_advantages,
     finalize_metrics,
     group_advantages,

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from tailrace.engine.losses import LossNormaliser
 from tailrace.engine.replay import dpo
 from tailrace.engine.replay.packed import AutoForwardBackward, PackedForwardBackward, choose_mode
 from tailrace.engine.replay.replay import ReplayForwardBackward
@@ -28,7 +29,7 @@ from tailrace.engine.trainer.learner import (
     forward_logprobs,
     sample_logprobs,
 )
-from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
 torch.set_num_threads(1)
 VOCAB = 8

@@ -8,7 +8,7 @@ and two generators over tcp loopback, built-in rewards):
 
     sync             controller.max_staleness 0: generate the whole batch, then train
     stream           controller.max_staleness 1: finished groups stream into training
-    modelled_sync    the same two with modelled.costs_file (engine/modelled.py): no model runs in any
+    modelled_sync    the same two with modelled compute (tools/benches/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
                      this run, so the scheduler alone is timed, free of 2-core CPU contention
     stream+spec      stream with generator.speculation: speculative decoding, the bandit choosing the depth
@@ -24,7 +24,8 @@ completions of the task by the real model (another data seed than the runs) for 
 
 Processes: this process imports torch and transformers once and forks each role, which then runs
 `tailrace.engine.cli.main` exactly as `tailrace trainer|generator` would (a role starts in about a second instead
-of five). A tool process on the notice socket times each run: from the first generator joining to the
+of five); in the modelled modes it runs modelled.role_main, the same roles with the modelled backend and
+learner passed to the services. A tool process on the notice socket times each run: from the first generator joining to the
 last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; generators 1 - backend busy
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
@@ -159,10 +160,10 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[t
     """(train tokens, CPU seconds) of real learner steps, the trainer's config, on batches of `sizes`
     groups of the real completions."""
     from tailrace.engine import models, tasks
-    from tailrace.engine.modelled import train_tokens
     from tailrace.engine.samples import Group, TrainSample, flatten_samples
     from tailrace.engine.trainer.learner import Learner
     from tailrace.engine.trainer.runs import learner_config
+    from tools.benches.modelled import train_tokens
 
     by_id = {p.prompt_id: p for p in prompts}
     groups: dict[int, list] = {}
@@ -195,7 +196,7 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     import torch
 
     from tailrace.engine import models
-    from tailrace.engine.modelled import Completion, Costs, LinearCost
+    from tools.benches.modelled import Completion, Costs, LinearCost
 
     torch.set_num_threads(1)  # as each role runs (launch.torch_threads)
     cfg = w.config()
@@ -264,8 +265,9 @@ def _preload(model_path: str) -> None:
     from tailrace.engine import models
 
     torch.set_num_threads(1)
-    for module in ("tailrace.engine.cli", "tailrace.engine.modelled", "tailrace.engine.trainer.main", "tailrace.engine.trainer.service",
-                   "tailrace.engine.generator.main", "tailrace.engine.generator.service", "tailrace.protocol.transport"):
+    for module in ("tailrace.engine.cli", "tailrace.engine.trainer.main", "tailrace.engine.trainer.service",
+                   "tailrace.engine.generator.main", "tailrace.engine.generator.service", "tailrace.protocol.transport",
+                   "tools.benches.modelled"):
         importlib.import_module(module)
     model_type = AutoConfig.from_pretrained(models.resolve_model_path(model_path)).model_type
     importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -280,12 +282,16 @@ def _redirect(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def _role(argv: list[str], log_path: Path) -> None:
-    """A forked child: `tailrace ARGV`, its output in log_path."""
+def _role(argv: list[str], log_path: Path, costs_path: Path | None) -> None:
+    """A forked child: `tailrace ARGV`, its output in log_path; with costs_path, its compute modelled."""
     _redirect(log_path)
-    from tailrace.engine.cli import main
+    if costs_path is None:
+        from tailrace.engine.cli import main
 
-    sys.exit(main(argv))
+        sys.exit(main(argv))
+    from tools.benches.modelled import role_main
+
+    sys.exit(role_main(argv, costs_path))
 
 
 def _watcher(address: str, steps: int, out: Path, ready: Path, log_path: Path) -> None:
@@ -354,14 +360,16 @@ def _stop(procs: list[multiprocessing.Process]) -> None:
             proc.join()
 
 
-def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout_s: float) -> dict:
-    """One run: trainer, NUM_GENERATORS generators and the timing tool as processes. Returns its figures."""
+def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout_s: float,
+                 costs_path: Path | None = None) -> dict:
+    """One run: trainer, NUM_GENERATORS generators and the timing tool as processes, their compute modelled
+    by costs_path when one is given. Returns its figures."""
     common = [*args, "--trainer.runs_dir", str(runs_dir), "--trainer.run_name", name]
     run_dir = runs_dir / name
     run_dir.mkdir(parents=True)
     deadline = time.monotonic() + timeout_s
     trainer_log = run_dir / "trainer.log"
-    trainer = _start(_role, ["trainer", "--trainer.bind", "tcp://127.0.0.1:0", *common], trainer_log)
+    trainer = _start(_role, ["trainer", "--trainer.bind", "tcp://127.0.0.1:0", *common], trainer_log, costs_path)
     procs = [trainer]
     try:
         endpoint = run_dir / "endpoint.json"
@@ -374,7 +382,7 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
         _wait(watcher, ready.is_file, deadline, f"{name}: the timing tool did not connect", run_dir / "watcher.log")
         for i in range(NUM_GENERATORS):
             procs.append(_start(_role, ["generator", "--connect", address, "--name", f"gen-{i}", *common],
-                                run_dir / f"gen-{i}.log"))
+                                run_dir / f"gen-{i}.log", costs_path))
         trainer.join(timeout=max(0.0, deadline - time.monotonic()))
         if trainer.exitcode != 0:
             raise RuntimeError(f"{name}: the trainer {'timed out' if trainer.is_alive() else 'failed'} "
@@ -424,16 +432,16 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
         staleness, modelled, extra = MODES[mode]
         args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
-                "--trainer.stats_interval_s", "0.2", *(["--modelled.costs_file", str(costs_path)] if modelled else []),
-                *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
+                "--trainer.stats_interval_s", "0.2", *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
         load = load_1m()
-        r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600)
+        r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600,
+                         costs_path=costs_path if modelled else None)
         r["load_1m"] = load
         results[mode].append(r)
         log(f"{mode:16s} {r['seconds']:7.2f} s   idle: trainer {r['idle_trainer']:.2f}, generators "
             f"{r['idle_generators']:.2f}   samples {r['samples_trained']}   generators joined "
             f"{r['join_spread_s']:.2f} s apart   load {load}")
-    from tailrace.engine.modelled import load_costs
+    from tools.benches.modelled import load_costs
 
     out = figures(w, load_costs(costs_path), results)
     shutil.rmtree(work, ignore_errors=True)

@@ -158,8 +158,9 @@ def _warm_up(model, strategy, groups) -> None:
     """One small call (first-call allocations, lazy kernels), gradients discarded."""
     import torch
 
+    from tailrace.engine.losses import LossNormaliser
     from tailrace.engine.samples import TrainSample
-    from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+    from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
     small = [TrainSample(group_id=0, sample_id=i, prompt_ids=s.prompt_ids[:64], completion_ids=s.completion_ids[:8],
                          behaviour_logprobs=s.behaviour_logprobs[:8], policy_versions=s.policy_versions[:8],

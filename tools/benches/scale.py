@@ -64,8 +64,9 @@ def _replay_worker(quick: bool, out: str) -> None:
 def _naive_one_sample_worker(quick: bool, out: str) -> None:
     import torch
 
+    from tailrace.engine.losses import LossNormaliser
     from tailrace.engine.trainer.learner import NaiveForwardBackward
-    from tailrace.engine.trainer.loss import LossConfig, LossNormaliser, StepLoss
+    from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
     torch.set_num_threads(THREADS)
     model = bench_model().train()

@@ -6,34 +6,41 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      token per row; each sample's length is drawn from the measured completions of
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
-    patch_learner    learner.step sleeps a + b * tokens, fitted to measured training steps against the
-                     tokens the naive trainer runs (padded micro-batches); advances step_count and
+    ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
+                     the tokens the naive trainer runs (padded micro-batches); advances step_count and
                      policy_version, and leaves the weights alone
+    role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
+                     (GeneratorService make_backend, TrainerService make_learner)
 
-Enabled by `modelled.costs_file` (engine/config.py); the costs are measured on the same machine by the
-benchmark that uses them (tools/benches/pipeline.py). Test: pytest tests/engine/test_modelled.py
+The costs are measured on the same machine by the benchmark that uses them (tools/benches/pipeline.py),
+which forks role_main for its modelled modes. Test: pytest tests/tools/test_modelled.py
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tailrace.engine.cli import parse_args
 from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.generator.main import main as generator_main
 from tailrace.engine.generator.requests import BackendStats, Finished, Request
-from tailrace.engine.samples import TrainSample, flatten_samples
-from tailrace.engine.trainer.learner import plan_micro_batches
+from tailrace.engine.generator.service import torch_backend
+from tailrace.engine.samples import Group, TrainSample, flatten_samples
+from tailrace.engine.trainer.learner import Learner, LearnerConfig, plan_micro_batches
+from tailrace.engine.trainer.main import main as trainer_main
 
 COSTS_FORMAT = 1
 
@@ -136,16 +143,16 @@ def load_costs(path: str | Path) -> Costs:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"modelled.costs_file: cannot read {path}: {exc}") from None
+        raise ValueError(f"costs file: cannot read {path}: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != COSTS_FORMAT:
-        raise ValueError(f"modelled.costs_file: {path} is not a costs file of format {COSTS_FORMAT}")
+        raise ValueError(f"costs file: {path} is not a costs file of format {COSTS_FORMAT}")
     try:
         return Costs(decode_step_s={int(k): [float(s) for s in v] for k, v in data["decode_step_s"].items()},
                      prefill=LinearCost(*map(float, data["prefill"])), train=LinearCost(*map(float, data["train"])),
                      completions=[Completion(int(p), int(n), str(r)) for p, n, r in data["completions"]],
                      seed=int(data.get("seed", 0)), info=dict(data.get("info", {})))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"modelled.costs_file: {path}: {exc}") from None
+        raise ValueError(f"costs file: {path}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------ generator
@@ -303,23 +310,28 @@ class ModelledBackend:
 # ------------------------------------------------------------------------------------------ trainer
 
 
-def patch_learner(learner: Any, costs: Costs) -> None:
-    """Replace learner.step: sleep the modelled training time of the batch (costs.train of its
-    train_tokens), advance step_count and policy_version, return the metrics a real step reports about
-    the batch. The weights and the optimizer are never touched."""
+class ModelledLearner(Learner):
+    """A Learner whose step sleeps the modelled training time of the batch (costs.train of its
+    train_tokens), advances step_count and policy_version, and returns the metrics a real step reports
+    about the batch. The model and the optimizer are built as a real learner's (checkpoints save them)
+    but never touched."""
 
-    def step(batch) -> dict[str, float]:
+    def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, costs: Costs, **kwargs: Any):
+        super().__init__(model, config, **kwargs)
+        self.costs = costs
+
+    def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
             raise ValueError("batch: no samples")
         tokens = sum(s.num_tokens for s in samples)
-        padded = train_tokens(samples, learner.config.micro_batch_tokens, learner.config.replay)
-        modelled_s = costs.train(padded)
+        padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
+        modelled_s = self.costs.train(padded)
         time.sleep(modelled_s)
-        staleness = [learner.policy_version - s.min_policy_version for s in samples]
-        learner.step_count += 1
-        learner.policy_version += 1
+        staleness = [self.policy_version - s.min_policy_version for s in samples]
+        self.step_count += 1
+        self.policy_version += 1
         rewards = [s.reward for s in samples]
         return {
             "trainer/tokens/logical": float(tokens),
@@ -329,10 +341,34 @@ def patch_learner(learner: Any, costs: Costs) -> None:
             "trainer/reward/mean": statistics.fmean(rewards),
             "trainer/staleness/max": float(max(staleness)),
             "trainer/staleness/mean": statistics.fmean(staleness),
-            "trainer/step": float(learner.step_count),
-            "trainer/policy_version": float(learner.policy_version),
+            "trainer/step": float(self.step_count),
+            "trainer/policy_version": float(self.policy_version),
             "trainer/modelled/step_s": modelled_s,
             "trainer/time/step_s": time.monotonic() - start_s,
         }
 
-    learner.step = step
+
+# ------------------------------------------------------------------------------------------ the roles
+
+
+def backend_factory(costs: Costs) -> Callable[[Any, Any, Any], ModelledBackend]:
+    """GeneratorService's make_backend: a ModelledBackend with the limits of the torch backend the run
+    config builds (whose model never runs)."""
+
+    def make(cfg: Any, model: Any, tokenizer: Any) -> ModelledBackend:
+        if cfg.generator.speculation:
+            raise ValueError("generator.speculation: modelled compute does not model speculative decoding")
+        return ModelledBackend(torch_backend(cfg, model, tokenizer), costs)
+
+    return make
+
+
+def role_main(argv: list[str], costs_path: str | Path) -> int:
+    """`tailrace trainer ARGV` or `tailrace generator ARGV`, its compute modelled by the costs file."""
+    args, overrides = parse_args(argv)
+    costs = load_costs(costs_path)
+    if args.role == "trainer":
+        return trainer_main(args, overrides, make_learner=functools.partial(ModelledLearner, costs=costs))
+    if args.role == "generator":
+        return generator_main(args, overrides, make_backend=backend_factory(costs))
+    raise ValueError(f"modelled compute: no modelled {args.role!r} role (trainer or generator)")

@@ -1,9 +1,11 @@
-"""Modelled compute (engine/modelled.py): the backend keeps TorchBackend's interface without running a
-model, lengths are reproducible per (group, sample), versions are stamped, and the patched learner
-sleeps its modelled time and advances versions without touching the weights.
-Run: pytest tests/engine/test_modelled.py
+"""Modelled compute (tools/benches/modelled.py): the backend keeps TorchBackend's interface without running
+a model, lengths are reproducible per (group, sample), versions are stamped, the modelled learner sleeps
+its modelled time and advances versions without touching the weights, and the services take both
+through their seams.
+Run: pytest tests/tools/test_modelled.py
 """
 
+import functools
 import time
 
 import pytest
@@ -11,18 +13,18 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.modelled import (
+from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.trainer.learner import LearnerConfig
+from tailrace.protocol.messages import SamplingParams
+from tools.benches.modelled import (
     Completion,
     Costs,
     LinearCost,
     ModelledBackend,
+    ModelledLearner,
     load_costs,
-    patch_learner,
     train_tokens,
 )
-from tailrace.engine.samples import Group, TrainSample
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
-from tailrace.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -171,9 +173,9 @@ def test_costs_file_round_trip_and_errors(tmp_path):
     loaded = load_costs(tmp_path / "costs.json")
     assert loaded.to_json() == costs.to_json()
     (tmp_path / "bad.json").write_text('{"format": 99}')
-    with pytest.raises(ValueError, match="modelled.costs_file"):
+    with pytest.raises(ValueError, match="costs file"):
         load_costs(tmp_path / "bad.json")
-    with pytest.raises(ValueError, match="modelled.costs_file"):
+    with pytest.raises(ValueError, match="costs file"):
         load_costs(tmp_path / "missing.json")
 
 
@@ -191,10 +193,10 @@ def _group(group_id: int, lengths: list[int]) -> Group:
     return Group(group_id=group_id, samples=samples)
 
 
-def test_patch_learner_sleeps_and_advances_versions_without_touching_weights(model):
-    learner = Learner(tiny_model(), LearnerConfig(micro_batch_tokens=64))
+def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(model):
+    learner = ModelledLearner(tiny_model(), LearnerConfig(micro_batch_tokens=64),
+                              costs=make_costs(train=LinearCost(0.02, 1e-4)))
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    patch_learner(learner, make_costs(train=LinearCost(0.02, 1e-4)))
     batch = [_group(0, [2, 5]), _group(1, [9, 1])]
     start = time.monotonic()
     metrics = learner.step(batch)
@@ -210,3 +212,21 @@ def test_patch_learner_sleeps_and_advances_versions_without_touching_weights(mod
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
     with pytest.raises(ValueError):
         learner.step([])
+
+
+def test_the_services_take_modelled_compute_through_their_seams(tmp_path):
+    from tailrace.engine.config import load_config
+    from tailrace.engine.generator.service import GeneratorService
+    from tailrace.engine.trainer.service import TrainerService
+    from tools.benches.modelled import backend_factory
+
+    costs = make_costs()
+    cfg = load_config(None, ["--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "seams"])
+    trainer = TrainerService(cfg, make_learner=functools.partial(ModelledLearner, costs=costs))
+    assert type(trainer.learner) is ModelledLearner and trainer.learner.costs is costs
+    generator = GeneratorService(cfg, "tcp://127.0.0.1:1", make_backend=backend_factory(costs))
+    assert type(generator.backend) is ModelledBackend and generator.backend.costs is costs
+    assert generator.backend.max_batch_size == cfg.generator.max_batch_size
+    with pytest.raises(ValueError, match="generator.speculation"):
+        GeneratorService(load_config(None, ["--generator.speculation", "true"]), "tcp://127.0.0.1:1",
+                         make_backend=backend_factory(costs))
