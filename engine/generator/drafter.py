@@ -217,6 +217,17 @@ class Drafter(nn.Module):
         return drafter
 
 
+def expected_state(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The state a drafter for `policy` has (names, shapes, dtypes), as tensors on the meta device: no
+    memory, no initialisation. What the trainer checks drafter uploads against."""
+    weight = policy.get_input_embeddings().weight
+    config = DrafterConfig.from_policy(policy.config)
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        drafter = Drafter(config, embed, nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    return {name: t.to(dtype=weight.dtype) for name, t in drafter.state_dict().items()}
+
+
 def load_or_create(folder: str | Path | None, policy: nn.Module, seed: int = 0) -> Drafter:
     """The run's saved drafter when `folder` holds one; otherwise a fresh drafter for the policy, which
     the spot trainer then initialises from the policy's own rollouts."""
