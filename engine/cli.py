@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--name", default="", help="unique name in the run (default: gen-<pid>)")
     gen.add_argument("--config", help="TOML run config (model, generator and sampling sections apply)")
     gen.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
+    gen.add_argument("--curve-key", default="", help="file with this client's CURVE secret key (default: a new one)")
 
     reward = sub.add_parser("reward", help="serve a Python reward function",
                             description="Run `module:function` (score(prompt, completion, metadata) -> "
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
     reward.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
+    reward.add_argument("--curve-key", default="", help="file with this client's CURVE secret key (default: a new one)")
     return parser
 
 

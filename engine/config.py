@@ -152,12 +152,16 @@ class TrainerConfig:
     weights_chunk_bytes: int = 16 << 20  # size of one WeightsChunk
     stats_interval_s: float = 1.0  # telemetry period of every process
     curve_secret_key_file: str = ""  # enables CURVE; the public key file sits next to it (.pub)
+    curve_clients_file: str = ""  # with CURVE: allow-list of client keys and their roles; "" = any key
+    accept_drafters: bool = True  # take drafters that generators upload (checked, next version only)
 
     def __post_init__(self):
         _check(self.bind.startswith(("tcp://", "ipc://", "inproc://")), "trainer.bind",
                f"{self.bind!r} must start with tcp://, ipc:// or inproc://")
         _check(self.heartbeat_interval_s > 0, "trainer.heartbeat_interval_s", "must be > 0")
         _check(self.missed_heartbeats >= 1, "trainer.missed_heartbeats", "must be >= 1")
+        _check(not self.curve_clients_file or bool(self.curve_secret_key_file), "trainer.curve_clients_file",
+               "needs trainer.curve_secret_key_file: client keys exist only with CURVE")
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,13 @@ processes on this machine over loopback, supervised, with progress bars.
     Ctrl-C           forwarded to the trainer only (children run in their own sessions), which finishes
                      its step, checkpoints and sends Shutdown; stragglers are terminated, then killed
 
+With CURVE (trainer.curve_secret_key_file), the launcher gives every child the trainer's public key and
+a key pair of its own in runs/<name>/keys/, and the trainer an allow-list of those keys with their roles
+(plus the entries of trainer.curve_clients_file, if set), so only the launcher's children can join.
+A child counts as restarted only when its process exited; a restarted child takes over its session.
+
 Every child's output goes to runs/<name>/logs/<child>.log. Test: pytest tests/engine/test_end_to_end.py
+tests/engine/test_restarts.py
 """
 
 from __future__ import annotations
@@ -61,9 +67,41 @@ def _child_env(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
+class CurveKeys:
+    """The key files of a `tailrace run` with CURVE: the trainer's public key and one key pair per child."""
+
+    def __init__(self, cfg: TrainerConfig, folder: Path, clients: dict[str, str]):
+        import zmq
+
+        from tailrace.protocol.transport import read_key
+
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.server_public = zmq.curve_public(read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"))
+        self._write("server.pub", self.server_public)
+        lines = [Path(cfg.curve_clients_file).read_text()] if cfg.curve_clients_file else []
+        self.secrets: dict[str, bytes] = {}
+        for name, role in clients.items():  # child name -> the role it takes
+            public, self.secrets[name] = zmq.curve_keypair()
+            self._write(f"{name}.secret", self.secrets[name])
+            lines.append(f"{public.decode()} {role}  # tailrace run: {name}\n")
+        self.allow_list = self._write("clients.allow", "".join(lines).encode())
+
+    def _write(self, name: str, data: bytes) -> Path:
+        path = self.folder / name
+        path.touch(mode=0o600)
+        path.write_bytes(data)
+        return path
+
+    def args(self, name: str) -> list[str]:
+        return ["--curve-server-key", str(self.folder / "server.pub"), "--curve-key", str(self.folder / f"{name}.secret")]
+
+
 class Launcher:
-    def __init__(self, cfg: RunConfig, config_path: Path, run_dir: Path, *, resume: bool, progress: bool):
+    def __init__(self, cfg: RunConfig, config_path: Path, run_dir: Path, *, resume: bool, progress: bool,
+                 keys: CurveKeys | None = None):
         self.cfg = cfg
+        self.keys = keys
         self.run_dir = run_dir
         self.config_path = config_path
         self.resume = resume
@@ -96,13 +134,18 @@ class Launcher:
     def start_peers(self, address: str) -> None:
         logs = self.run_dir / "logs"
         for i in range(self.cfg.launch.num_generators):
-            argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path))
+            argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path),
+                            *self.key_args(f"gen-{i}"))
             self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
         if self.cfg.launch.reward_server:
-            argv = self.cli("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "reward-0")
+            argv = self.cli("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "reward-0",
+                            *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
         for child in self.children[1:]:
             child.start(self.env)
+
+    def key_args(self, name: str) -> list[str]:
+        return self.keys.args(name) if self.keys is not None else []
 
     def supervise_once(self, trainer: Child) -> bool:
         """One supervision pass; False when the run is over."""
@@ -147,7 +190,8 @@ class Launcher:
                 child.proc.wait()
 
 
-async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: bool) -> None:
+async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: bool,
+                    keys: CurveKeys | None = None) -> None:
     """Progress from the trainer's Stats: a bar (steps, reward, staleness, generated tokens/s) on a
     terminal, one line per step otherwise. Ends quietly when the trainer shuts down."""
     from tailrace.protocol import messages as m
@@ -161,7 +205,9 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: b
     throughput: dict[str, float] = {}
     last_step = 0
     try:
-        async with Client(address, role="tool", name=f"run-progress-{os.getpid()}") as client:
+        async with Client(address, role="tool", name="run-progress",
+                          curve_server_key=keys.server_public if keys else None,
+                          curve_secret_key=keys.secrets["run-progress"] if keys else None) as client:
             await client.connect(timeout_s=30.0)
             await client.subscribe()
             while not done.is_set():
@@ -202,7 +248,8 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
     done = asyncio.Event()
     progress = None
     if launcher.progress:
-        progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done, bars=sys.stderr.isatty()))
+        progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done, bars=sys.stderr.isatty(),
+                                                 keys=launcher.keys))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: trainer.alive() and trainer.proc.send_signal(signal.SIGINT))
     try:
@@ -231,11 +278,17 @@ def main(args: Any, overrides: list[str]) -> int:
         cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    keys = None
+    if cfg.trainer.curve_secret_key_file:
+        clients = {f"gen-{i}": "generator" for i in range(cfg.launch.num_generators)}
+        clients |= {"reward-0": "reward", "run-progress": "tool"}
+        keys = CurveKeys(cfg.trainer, run_dir / "keys", clients)
+        cfg.trainer.curve_clients_file = str(keys.allow_list)
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
     from tailrace.protocol.transport import run
 
-    launcher = Launcher(cfg, config_path, run_dir, resume=args.resume, progress=not args.no_progress)
+    launcher = Launcher(cfg, config_path, run_dir, resume=args.resume, progress=not args.no_progress, keys=keys)
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")
     try:
         trainer, endpoint = launcher.start_trainer()

@@ -31,14 +31,14 @@ def load_function(spec: str) -> Any:
 def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
     from tailrace.protocol.reward_sdk import serve
-    from tailrace.protocol.transport import ConnectionLost, run
+    from tailrace.protocol.transport import ConnectionLost, read_key, run
 
     fn = load_function(args.fn)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) or ("*",)
-    key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
     try:
         run(serve(fn, args.connect, tasks=tasks, name=args.name or None, max_concurrency=args.max_concurrency,
-                  timeout_s=args.timeout_s, curve_server_key=key))
+                  timeout_s=args.timeout_s, curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),
+                  curve_secret_key=read_key(args.curve_key, "--curve-key")))
     except ConnectionLost as exc:
         print(f"tailrace reward: lost the trainer at {args.connect}: {exc}", file=sys.stderr)
         return 1

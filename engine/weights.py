@@ -16,15 +16,23 @@ from typing import Any
 from tailrace.protocol.messages import WeightsChunk, WeightsNotice
 
 
-def check_same_layout(state: dict[str, Any], reference: dict[str, Any], what: str) -> None:
-    """ValueError unless `state` has exactly the names and shapes of `reference` (checked before any copy)."""
-    if set(state) != set(reference):
-        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+def check_same_layout(state: dict[str, Any], reference: dict[str, Any], what: str, *, dtypes: bool = False,
+                      partial: bool = False) -> None:
+    """ValueError unless `state` has exactly the names and shapes of `reference` (checked before any copy);
+    with `dtypes`, their dtypes too; with `partial`, `state` may hold only some of the names (one chunk)."""
+    missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+    if extra or (missing and not partial):
         raise ValueError(f"{what}: missing {missing}, unexpected {extra}")
     for name, value in state.items():
         if tuple(value.shape) != tuple(reference[name].shape):
             raise ValueError(f"{what}: {name} has shape {tuple(value.shape)}, expected "
                              f"{tuple(reference[name].shape)}")
+        if dtypes and value.dtype != reference[name].dtype:
+            raise ValueError(f"{what}: {name} has dtype {value.dtype}, expected {reference[name].dtype}")
+
+
+def num_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def chunk_state_dict(state: dict[str, Any], chunk_bytes: int) -> list[dict[str, Any]]:
@@ -57,7 +65,7 @@ class WeightsStore:
 
     def publish(self, model: str, version: int, state: dict[str, Any]) -> WeightsNotice:
         chunks = chunk_state_dict(state, self.chunk_bytes)
-        total = sum(t.numel() * t.element_size() for t in state.values())
+        total = num_bytes(state)
         notice = WeightsNotice(model=model, version=version, num_chunks=len(chunks), num_tensors=len(state),
                                total_bytes=total)
         versions = self._versions[model]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 from collections.abc import Iterable
@@ -44,6 +45,9 @@ from tailrace.protocol.messages import (
     Welcome,
 )
 
+RETRY_FIRST_S = 0.5  # first pause after a refused or unanswered Hello; doubles up to RETRY_MAX_S
+RETRY_MAX_S = 8.0
+
 
 class Client(Endpoint):
     """The connecting side. `async with Client(...) as c: welcome = await c.connect()`, then send() and
@@ -53,7 +57,7 @@ class Client(Endpoint):
                  capabilities: dict[str, Any] | None = None, package_version: str | None = None,
                  curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
                  curve_secret_key: bytes | None = None, limits: Limits = codec.DEFAULT_LIMITS,
-                 context: zmq.Context | None = None, max_queue: int = 1 << 16):
+                 context: zmq.Context | None = None, max_queue: int = 1 << 16, incarnation: int | None = None):
         split_scheme(address)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -67,8 +71,11 @@ class Client(Endpoint):
             except PackageNotFoundError:
                 package_version = "0+unknown"
         self.hello = Hello(role=role, name=name, protocol_version=PROTOCOL_VERSION, package_version=package_version,
-                           tasks=list(tasks), max_inflight=max_inflight, capabilities=dict(capabilities or {}))
+                           tasks=list(tasks), max_inflight=max_inflight, capabilities=dict(capabilities or {}),
+                           incarnation=time.time_ns() // 1000 if incarnation is None else incarnation)
         self.curve_server_key = curve_server_key
+        if curve_server_key is not None and curve_secret_key is not None and curve_public_key is None:
+            curve_public_key = zmq.curve_public(curve_secret_key)
         if curve_server_key is not None and (curve_public_key is None or curve_secret_key is None):
             curve_public_key, curve_secret_key = generate_keypair()
         self._client_keys = (curve_public_key, curve_secret_key)
@@ -92,29 +99,58 @@ class Client(Endpoint):
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def connect(self, timeout_s: float = 10.0) -> Welcome:
-        """Say Hello and wait for Welcome. Raises Rejected or ConnectTimeout (and closes)."""
+    async def connect(self, timeout_s: float = 10.0, *, retry_for_s: float = 0.0) -> Welcome:
+        """Say Hello and wait for Welcome, `timeout_s` per attempt. A refused or unanswered Hello is
+        tried again on a fresh socket, with backoff and a log line saying why, until `retry_for_s` has
+        passed (a protocol version mismatch never is). Raises Rejected or ConnectTimeout (and closes)."""
         if self._dealer is not None:
             raise RuntimeError("connect() was already called")
-        loop = asyncio.get_running_loop()
-        self._welcomed = loop.create_future()
+        deadline_s = time.monotonic() + retry_for_s
+        backoff_s = RETRY_FIRST_S
         try:
-            self._dealer = self._socket(zmq.DEALER, curve_server_public=self.curve_server_key)
-            self._dealer.sock.setsockopt(zmq.ROUTING_ID, b"tr-" + secrets.token_hex(8).encode())
-            self._dealer.sock.connect(self.address)
-            self._spawn(self._dealer.drain_forever(self._on_frames), "client-recv")
-            await self._send_frames(codec.encode(self.hello))
-            try:
-                welcome = await asyncio.wait_for(asyncio.shield(self._welcomed), timeout_s)
-            except TimeoutError:
-                raise ConnectTimeout(f"no Welcome from {self.address} within {timeout_s} s (is the trainer "
-                                     "running there? with CURVE, is the server key right?)") from None
+            while True:
+                try:
+                    welcome = await self._handshake(timeout_s)
+                    break
+                except (Rejected, ConnectTimeout) as exc:
+                    wait_s = min(backoff_s, deadline_s - time.monotonic())
+                    if getattr(exc, "code", 0) == ErrorCode.VERSION_MISMATCH or wait_s <= 0:
+                        raise
+                    log.warning("%s %r: handshake with %s failed (%s); trying again in %.1f s", self.hello.role,
+                                self.hello.name, self.address, exc, wait_s)
+                    await self._drop_dealer()
+                    await asyncio.sleep(wait_s * random.uniform(0.8, 1.0))
+                    backoff_s = min(RETRY_MAX_S, 2 * backoff_s)
         except BaseException:
             await self.close()
             raise
         self._last_seen_s = time.monotonic()
         self._spawn(self._heartbeat_loop(), "client-heartbeat")
         return welcome
+
+    async def _handshake(self, timeout_s: float) -> Welcome:
+        self._welcomed = asyncio.get_running_loop().create_future()
+        self._dealer = self._socket(zmq.DEALER, curve_server_public=self.curve_server_key)
+        self._dealer.sock.setsockopt(zmq.ROUTING_ID, b"tr-" + secrets.token_hex(8).encode())
+        self._dealer.sock.connect(self.address)
+        self._spawn(self._dealer.drain_forever(self._on_frames), "client-recv")
+        await self._send_frames(codec.encode(self.hello))
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._welcomed), timeout_s)
+        except TimeoutError:
+            raise ConnectTimeout(f"no Welcome from {self.address} within {timeout_s} s (is the trainer "
+                                 "running there? with CURVE, are the server key and this client's key "
+                                 "right?)") from None
+
+    async def _drop_dealer(self) -> None:
+        """Forget a failed handshake's socket and receive task; the next attempt starts afresh."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._wires.remove(self._dealer)
+        self._dealer.close()
+        self._dealer = None
 
     async def send(self, msg: Any) -> None:
         """Send one message, waiting for credit (messages other than Hello, Heartbeat, Credit,

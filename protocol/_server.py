@@ -6,15 +6,17 @@ Test: pytest tests/protocol/test_transport.py
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import zmq
 
 from tailrace.protocol import codec
+from tailrace.protocol._auth import ClientKeys
 from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
@@ -50,6 +52,7 @@ class Peer:
     credits: int
     consumed: int = 0
     alive: bool = True
+    key: str = ""  # the client's CURVE public key (Z85) when the server authenticates keys, else ""
 
     @property
     def role(self) -> str:
@@ -71,7 +74,9 @@ class Peer:
 @dataclasses.dataclass(frozen=True)
 class PeerEvent:
     """A peer's lifecycle, delivered by Server.recv() as (PeerEvent, None), in order with its messages.
-    event: "joined", "left" (Shutdown, new Hello, or server closing) or "dead" (missed heartbeats)."""
+    event: "joined", "left" (Shutdown, new Hello, taken over by a new session under its name, or server
+    closing) or "dead" (missed heartbeats). A takeover delivers the new session's "joined" first, then the
+    old one's "left", so work the old session held can go straight to its successor."""
 
     event: str
     peer: Peer
@@ -93,15 +98,18 @@ class PeerEvent:
 class Server(Endpoint):
     """The binding side (the trainer). `await start()` or `async with Server(...)`, then loop on
     `peer, msg = await recv()`: msg is a message, or None when `peer` is a PeerEvent (joined, left,
-    dead). `accept(hello)` may return a Reject to refuse a peer. The event loop must stay responsive
-    (heavy compute in threads), or peers miss heartbeats."""
+    dead). `accept(hello)` may return a Reject to refuse a peer. A Hello under a connected name takes that
+    session over (protocol/SPEC.md, "Sessions and takeover"). With `client_roles` (CURVE only), a ZAP
+    handler admits only the listed client keys, and each may say Hello only in the roles listed for it.
+    The event loop must stay responsive (heavy compute in threads), or peers miss heartbeats."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:0", *, run_id: str,
                  policy_version: int | Callable[[], int] = 0, drafter_version: int | Callable[[], int] = 0,
                  credits: int = 64, heartbeat_interval_s: float = 1.0, missed_heartbeats: int = 5,
                  limits: Limits = codec.DEFAULT_LIMITS, curve_secret_key: bytes | None = None,
                  curve_public_key: bytes | None = None, context: zmq.Context | None = None,
-                 accept: Callable[[Hello], Reject | None] | None = None, max_peers: int = 1024):
+                 accept: Callable[[Hello], Reject | None] | None = None, max_peers: int = 1024,
+                 client_roles: Mapping[str, Iterable[str]] | None = None):
         if not 1 <= credits <= 1 << 20:
             raise ValueError(f"credits must be in 1..2^20, got {credits}")
         if not 0.001 <= heartbeat_interval_s <= 3600:
@@ -110,6 +118,12 @@ class Server(Endpoint):
             raise ValueError(f"missed_heartbeats must be >= 1, got {missed_heartbeats}")
         if max_peers < 1:
             raise ValueError(f"max_peers must be >= 1, got {max_peers}")
+        if client_roles is not None and curve_secret_key is None:
+            raise ValueError("client_roles needs curve_secret_key: client keys exist only with CURVE")
+        self._auth = None if client_roles is None else ClientKeys(client_roles)
+        self._own_context: zmq.Context | None = None
+        if self._auth is not None and context is None:
+            context = self._own_context = zmq.Context()  # ZAP is one handler per context: ours alone
         super().__init__(limits, context)
         self.address = bind_address(address)  # the resolved endpoint once started
         self.notice_address = ""
@@ -155,7 +169,10 @@ class Server(Endpoint):
         if self._router is not None or self._closed:
             raise RuntimeError("start() was already called")
         try:
+            if self._auth is not None:
+                await self._auth.start(self._context)  # before any CURVE socket binds
             self._router = self._socket(zmq.ROUTER, curve_server_secret=self._curve_secret)
+            self._router.read_user_id = self._auth is not None
             router = self._router.sock
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail loudly, never block
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer keeps its session
@@ -242,6 +259,15 @@ class Server(Endpoint):
         finally:
             await self._close_all()
 
+    async def _close_all(self) -> None:
+        try:
+            await super()._close_all()
+        finally:
+            if self._auth is not None:
+                self._auth.stop()
+            if self._own_context is not None:  # its sockets are closed: term() waits out their linger only
+                await asyncio.to_thread(self._own_context.term)
+
     # ---------------------------------------------------------------------------------- receive
 
     def _on_frames(self, frames: list) -> None:
@@ -324,14 +350,16 @@ class Server(Endpoint):
         return self._send_nowait(self._router, [ident, *codec.encode(msg)])
 
     def _on_hello(self, ident: bytes, hello: Hello) -> None:
-        reject = self._check_hello(hello)
+        key = self._router.user_id if self._auth is not None else ""
+        old = self._peers.get(self._names.get(hello.name, b""))
+        reject = self._check_hello(hello, key, old)
         if reject is not None:
             self.counters["peers/rejected"] += 1
             log.info("rejected %s %r: %s", hello.role, hello.name, reject.text)
             self._reply(ident, reject, limited=True)
             return
         now = time.monotonic()
-        peer = Peer(id=ident, hello=hello, joined_s=now, last_seen_s=now, credits=self.credits)
+        peer = Peer(id=ident, hello=hello, joined_s=now, last_seen_s=now, credits=self.credits, key=key)
         welcome = Welcome(run_id=self.run_id, policy_version=self.policy_version, credits=self.credits,
                           heartbeat_interval_s=self.heartbeat_interval_s, peer_timeout_s=self.peer_timeout_s,
                           notice_endpoint=self.notice_address, max_message_bytes=self.limits.max_message_bytes,
@@ -342,8 +370,13 @@ class Server(Endpoint):
         self.counters["peers/joined"] += 1
         log.info("%s %r joined", hello.role, hello.name)
         self._event(PeerEvent("joined", peer))
+        if old is not None:  # after "joined": what the old session held is handed straight to this one
+            self.counters["peers/taken_over"] += 1
+            self._end(old, "left", f"taken over by a new session (incarnation {hello.incarnation})")
+            self._reply(old.id, Error(code=ErrorCode.NOT_WELCOME, text="session taken over by a newer "
+                                      f"connection under the name {hello.name!r}"))
 
-    def _check_hello(self, hello: Hello) -> Reject | None:
+    def _check_hello(self, hello: Hello, key: str, old: Peer | None) -> Reject | None:
         if hello.protocol_version != PROTOCOL_VERSION:
             return Reject(code=ErrorCode.VERSION_MISMATCH, text=(
                 f"protocol version {hello.protocol_version} not supported; this trainer speaks {PROTOCOL_VERSION}"))
@@ -351,9 +384,15 @@ class Server(Endpoint):
             return Reject(code=ErrorCode.UNAUTHORIZED, text="role 'trainer' is this endpoint's own")
         if not hello.name:
             return Reject(code=ErrorCode.UNAUTHORIZED, text="name must not be empty")
-        if hello.name in self._names:
-            return Reject(code=ErrorCode.UNAUTHORIZED, text=f"name {hello.name!r} is already connected")
-        if len(self._peers) >= self.max_peers:
+        if self._auth is not None and not self._auth.may(key, hello.role):
+            return Reject(code=ErrorCode.UNAUTHORIZED, text=f"this client key may not join as {hello.role!r}")
+        if old is not None and old.key != key:
+            return Reject(code=ErrorCode.UNAUTHORIZED, text=f"name {hello.name!r} is held by another client key")
+        if old is not None and hello.incarnation < old.hello.incarnation:
+            return Reject(code=ErrorCode.UNAUTHORIZED, text=(
+                f"name {hello.name!r} is connected with a newer incarnation ({old.hello.incarnation} > "
+                f"{hello.incarnation})"))
+        if old is None and len(self._peers) >= self.max_peers:
             return Reject(code=ErrorCode.UNAUTHORIZED, text=f"this trainer serves at most {self.max_peers} peers")
         if self._accept is None:
             return None
@@ -365,7 +404,8 @@ class Server(Endpoint):
 
     def _end(self, peer: Peer, event: str, reason: str) -> None:
         del self._peers[peer.id]
-        del self._names[peer.name]
+        if self._names.get(peer.name) == peer.id:  # after a takeover the name is its successor's
+            del self._names[peer.name]
         peer.alive = False
         self.counters[f"peers/{event}"] += 1
         (log.warning if event == "dead" else log.info)("%s %r %s: %s", peer.role, peer.name, event, reason)

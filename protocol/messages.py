@@ -90,6 +90,8 @@ class Hello:
     role: one of ROLES. name: free-form, unique per run (e.g. "gen-0"). tasks: for reward servers, the
     task names it scores ("*" = any). max_inflight: how many requests (score requests, work items) this
     peer accepts at once. capabilities: free-form scalars (backend, vocab_size, max_model_len, ...).
+    incarnation: larger for each new process under this name (our Client: wall-clock microseconds at
+    start); a Hello whose name is connected takes that session over when incarnation >= the live one's.
 
     Example: Hello(role="reward", name="math-grader", protocol_version=1, package_version="0.1.0",
     tasks=["math"], max_inflight=16, capabilities={"language": "go"})
@@ -102,6 +104,7 @@ class Hello:
     tasks: list[str] = wire(default_factory=list, max_len=1024)
     max_inflight: int = wire(default=1, ge=1, le=1 << 16)
     capabilities: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
+    incarnation: int = wire(default=0, ge=0, le=(1 << 63) - 1)  # grows per process start; >= live one's: takeover
 
 
 @message(2)

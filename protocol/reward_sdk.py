@@ -30,7 +30,6 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from tailrace.protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
@@ -140,11 +139,12 @@ class _Scorer:
 
 async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",), name: str | None = None,
                 max_concurrency: int = 16, timeout_s: float = 60.0, curve_server_key: bytes | None = None,
-                context: Any = None, connect_timeout_s: float = 30.0,
+                curve_secret_key: bytes | None = None, context: Any = None, connect_timeout_s: float = 60.0,
                 on_welcome: Callable[[Welcome], None] | None = None) -> str:
     """Connect to the trainer at `address` as a reward server for `tasks` ("*" = any) and answer
-    ScoreRequests until the trainer says Shutdown (returns its reason). Raises transport.ConnectionLost
-    when the trainer disappears, Rejected / ConnectTimeout when it cannot join."""
+    ScoreRequests until the trainer says Shutdown (returns its reason). A refused or unanswered Hello is
+    retried with backoff for `connect_timeout_s`. Raises transport.ConnectionLost when the trainer
+    disappears, Rejected / ConnectTimeout when it cannot join."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if timeout_s <= 0:
@@ -153,7 +153,7 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
     scorer = _Scorer(score_fn, max_concurrency, timeout_s)
     client = Client(address, role="reward", name=name or f"reward-{socket.gethostname()}-{os.getpid()}",
                     tasks=tasks, max_inflight=max_concurrency, curve_server_key=curve_server_key,
-                    context=context)
+                    curve_secret_key=curve_secret_key, context=context)
     active: set[asyncio.Task] = set()
     failed: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -171,7 +171,7 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
                 raise
 
     try:
-        welcome = await client.connect(connect_timeout_s)
+        welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s)
         log.info("reward server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)
@@ -230,7 +230,8 @@ def main(score_fn: ScoreFn | None = None, argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="unique name in the run (default: reward-<host>-<pid>)")
     parser.add_argument("--max-concurrency", type=int, default=16, help="requests scored at once")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-request time limit in seconds")
-    parser.add_argument("--curve-server-key", default=None, help="file holding the trainer's CURVE public key")
+    parser.add_argument("--curve-server-key", default="", help="file holding the trainer's CURVE public key")
+    parser.add_argument("--curve-key", default="", help="file holding this server's CURVE secret key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
     if score_fn is None:
@@ -238,13 +239,13 @@ def main(score_fn: ScoreFn | None = None, argv: list[str] | None = None) -> int:
         if not attr:
             parser.error("--fn must look like module:function")
         score_fn = getattr(importlib.import_module(module), attr)
-    key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
-    from tailrace.protocol.transport import TransportError
+    from tailrace.protocol.transport import TransportError, read_key
 
     try:
         reason = run_server(score_fn, args.connect, tasks=[t for t in args.tasks.split(",") if t],
                             name=args.name, max_concurrency=args.max_concurrency, timeout_s=args.timeout_s,
-                            curve_server_key=key)
+                            curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),
+                            curve_secret_key=read_key(args.curve_key, "--curve-key"))
     except TransportError as exc:
         print(f"reward server: {exc}", flush=True)
         return 1

@@ -5,7 +5,8 @@ context (e.g. one zmq.asyncio.Context: the in-process twin used by tests). Socke
 asyncio loop through their ZMQ_FD (_wire.Wire); run() uses uvloop. Conversation rules (handshake,
 heartbeats, credits, CURVE, size limits): protocol/SPEC.md. This module is the public face; the code lives
 in protocol/_wire.py (errors, addresses, Wire, the Endpoint base that Server and Client share),
-protocol/_server.py (Server, Peer, PeerEvent) and protocol/_client.py (Client).
+protocol/_server.py (Server, Peer, PeerEvent, sessions and takeover), protocol/_auth.py (the CURVE client
+allow-list and its ZAP handler) and protocol/_client.py (Client, handshake retries).
 Test: pytest tests/protocol/test_transport.py
 
   Server = ROUTER (sessions) + PUB (notices)              Client = DEALER [+ SUB after subscribe()]
@@ -27,12 +28,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tailrace.protocol._auth import load_client_roles
 from tailrace.protocol._client import Client
 from tailrace.protocol._server import Peer, PeerEvent, Server
-from tailrace.protocol._wire import ConnectionLost, ConnectTimeout, Rejected, TransportError, generate_keypair
+from tailrace.protocol._wire import (
+    ConnectionLost,
+    ConnectTimeout,
+    Rejected,
+    TransportError,
+    generate_keypair,
+    read_key,
+)
 
 __all__ = ["Client", "ConnectTimeout", "ConnectionLost", "Peer", "PeerEvent", "Rejected", "Server",
-           "TransportError", "generate_keypair", "run"]
+           "TransportError", "generate_keypair", "load_client_roles", "read_key", "run"]
 
 
 def run(coro: Any) -> Any:

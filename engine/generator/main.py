@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from tailrace.engine.config import load_config
@@ -20,11 +19,12 @@ def main(args: Any, overrides: list[str], *, make_backend: Any = None) -> int:
     import torch
 
     from tailrace.engine.generator.service import GeneratorService
-    from tailrace.protocol.transport import ConnectionLost, run
+    from tailrace.protocol.transport import ConnectionLost, read_key, run
 
     torch.set_num_threads(cfg.launch.torch_threads)
-    key = Path(args.curve_server_key).read_bytes().strip() if args.curve_server_key else None
-    service = GeneratorService(cfg, args.connect, name=args.name, curve_server_key=key, make_backend=make_backend)
+    service = GeneratorService(cfg, args.connect, name=args.name,
+                               curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),
+                               curve_secret_key=read_key(args.curve_key, "--curve-key"), make_backend=make_backend)
     try:
         reason = run(service.run())
     except ConnectionLost as exc:

@@ -35,6 +35,8 @@ from tailrace.protocol import messages as m
 log = logging.getLogger("tailrace.generator")
 
 EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
+CONNECT_TIMEOUT_S = 10.0  # one handshake attempt (a loaded trainer answers within a heartbeat or two)
+CONNECT_RETRY_S = 120.0  # refused or unanswered handshakes are retried, with backoff, for this long
 DRAFTER_STEPS_PER_TURN = 64  # drafter training steps per idle turn (each yields to arriving work)
 DRAFTER_PUBLISH_STEPS = 200  # spot-training steps between announcing our drafter to the trainer
 
@@ -115,7 +117,8 @@ def torch_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> Any:
 
 class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
-                 make_backend: BackendFactory | None = None):
+                 make_backend: BackendFactory | None = None,
+                 curve_secret_key: bytes | None = None):
         import torch
 
         from tailrace.engine import models
@@ -123,7 +126,7 @@ class GeneratorService:
         self.cfg = cfg
         self.address = address
         self.name = name or f"gen-{os.getpid()}"
-        self.curve_server_key = curve_server_key
+        self.curve_server_key, self.curve_secret_key = curve_server_key, curve_secret_key
         model_path = cfg.model.path or "tiny"
         tokenizer = models.load_tokenizer(model_path)
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
@@ -132,8 +135,8 @@ class GeneratorService:
         self.spot = None
         self.spot_thread: ThreadPoolExecutor | None = None
         if cfg.generator.speculation:
+            from tailrace.engine.drafter import load_or_create
             from tailrace.engine.generator.bandit import SpecBandit
-            from tailrace.engine.generator.drafter import load_or_create
             from tailrace.engine.generator.spot import SpotTrainer
 
             drafter = load_or_create(cfg.generator.drafter_path or None, model)
@@ -165,9 +168,9 @@ class GeneratorService:
         caps = {"backend": "torch", "vocab_size": self.vocab_size, "max_model_len": self.backend.max_model_len}
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
-                             curve_server_key=self.curve_server_key)
+                             curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
         async with self.client:
-            welcome = await self.client.connect(timeout_s=60.0)
+            welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=CONNECT_RETRY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
             recv = asyncio.create_task(self.recv_loop(), name="recv")
             recv.add_done_callback(lambda _: self.wakeup.set())  # an idle main loop must see it end

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
 
 MAX_DRAFT_TOKENS = 8

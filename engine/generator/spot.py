@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tailrace.engine.generator.drafter import Drafter
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.speculative import Trace
 
 

@@ -9,9 +9,8 @@
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
-Drafter sharing (net loop): a generator's WeightsNotice(model="drafter") newer than the served drafter
-starts one fetch from that generator (WeightsFetch -> its WeightsChunks); the assembled drafter is
-republished as drafter version max(served + 1, announced) to every generator and on the notice socket.
+Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/drafters.py, which checks,
+fetches and republishes them.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
 protocol (engine/trainer/dist.py). Test: pytest tests/engine/test_end_to_end.py
@@ -32,8 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tailrace.engine import models
 from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
@@ -41,17 +38,16 @@ from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
+from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
-from tailrace.engine.weights import WeightsAssembler, WeightsStore, check_same_layout
+from tailrace.engine.weights import WeightsStore
 from tailrace.protocol import messages as m
 
 log = logging.getLogger("tailrace.trainer")
 
-DRAFTER_FILE = "drafter.safetensors"  # in a checkpoint folder: the last drafter the trainer served
-DRAFTER_FETCH_TIMEOUT_S = 60.0  # a drafter fetch older than this gives way to the next announcement
 LEASE_FLOOR_S = 30.0  # a derived lease is never shorter (model load, first prefill, a busy machine)
 LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
 LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
@@ -106,15 +102,12 @@ class TrainerService:
         self.step_rewards: list[float] = counters.get("step_rewards", [])
         self.wall_s_before = counters.get("wall_s", 0.0)
         self.store = WeightsStore(cfg.trainer.weights_chunk_bytes)
-        self.drafter_fetch: tuple[bytes, WeightsAssembler] | None = None  # (source peer id, its chunks so far)
-        self.drafter_fetch_started_s = 0.0  # time.monotonic()
-        self.drafter_state: dict[str, torch.Tensor] | None = None  # the served drafter, for checkpoints
-        if resume_from is not None:
-            self.restore_drafter(resume_from)
-        if resume_from is not None:  # steps after the checkpoint are trained again: log them once
-            keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)
-        self.sink = make_sink(self.run_dir)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.drafters = DrafterRelay(self.store, self.counters, model if cfg.trainer.accept_drafters else None)
+        if resume_from is not None:
+            self.drafters.restore(resume_from)
+            keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)  # steps trained again
+        self.sink = make_sink(self.run_dir)
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
@@ -142,7 +135,7 @@ class TrainerService:
             self.changed.set()
 
     async def run(self) -> dict[str, Any]:
-        from tailrace.protocol.transport import Server
+        from tailrace.protocol.transport import Server, load_client_roles, read_key
 
         cfg = self.cfg.trainer
         self.server = Server(cfg.bind, run_id=self.run_id, credits=cfg.credits,
@@ -150,10 +143,12 @@ class TrainerService:
                              missed_heartbeats=cfg.missed_heartbeats, accept=self.accept,
                              policy_version=lambda: self.learner.policy_version,
                              drafter_version=self.drafter_version,
-                             curve_secret_key=_read_key(cfg.curve_secret_key_file))
+                             curve_secret_key=read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"),
+                             client_roles=load_client_roles(cfg.curve_clients_file) if cfg.curve_clients_file else None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+        self.drafters.server = self.server
         async with self.server:
             router = None
             if self.cfg.reward.mode != "builtin":
@@ -281,8 +276,7 @@ class TrainerService:
                     await self.server.send(peer.id, latest)
             return
         self.parked.pop(peer.id, None)
-        if self.drafter_fetch is not None and self.drafter_fetch[0] == peer.id:
-            self.drafter_fetch = None  # its drafter left with it; the next announcement starts over
+        self.drafters.forget_fetch_from(peer.id)  # its drafter left with it; the next announcement starts over
         self.peer_stats.pop(peer.name, None)
         if peer.role == "generator":
             requeued = self.controller.on_generator_dead(peer.name)
@@ -385,79 +379,19 @@ class TrainerService:
     # ------------------------------------------------------------------------------------ drafter relay
 
     def drafter_version(self) -> int:
-        latest = self.store.latest("drafter")
-        return latest.version if latest is not None else 0
+        return self.drafters.version()
 
     async def on_weights_notice(self, peer: Any, msg: m.WeightsNotice) -> None:
-        """A generator announces a drafter it trained: fetch it from that generator if it is newer than the
-        served one and no other fetch is under way (one at a time; announcements meanwhile are skipped, and
-        the generators announce again after more training, unless the fetch has stalled past its timeout)."""
         if peer.role != "generator" or msg.model != "drafter":
             return await self.reply_error(peer, msg, m.ErrorCode.UNAUTHORIZED, "only generators announce drafters")
-        busy = self.drafter_fetch is not None and \
-            time.monotonic() - self.drafter_fetch_started_s < DRAFTER_FETCH_TIMEOUT_S
-        if msg.version <= self.drafter_version() or busy or msg.num_chunks == 0:
-            self.counters["trainer/drafter/announcements_skipped"] += 1
-            return
-        self.drafter_fetch = (peer.id, WeightsAssembler(msg))
-        self.drafter_fetch_started_s = time.monotonic()
-        await self.server.send(peer.id, m.WeightsFetch(model="drafter", version=msg.version, chunk_index=0))
+        await self.drafters.on_notice(peer, msg)
 
     async def on_weights_chunk(self, peer: Any, msg: m.WeightsChunk) -> None:
-        fetch = self.drafter_fetch
-        if fetch is None or fetch[0] != peer.id or msg.model != "drafter" or msg.version != fetch[1].notice.version:
-            self.counters["trainer/drafter/chunks_unexpected"] += 1
-            return
-        assembler = fetch[1]
-        try:
-            tensors = assembler.add(msg)
-            if tensors is not None:
-                check_drafter_layout(tensors, self.drafter_state)
-        except ValueError as exc:
-            self.drafter_fetch = None
-            self.counters["trainer/drafter/rejected"] += 1
-            log.error("drafter v%d from %s rejected: %s", msg.version, peer.name, exc)
-            return
-        if tensors is None:
-            await self.server.send(peer.id, m.WeightsFetch(model="drafter", version=msg.version,
-                                                           chunk_index=assembler.next_index()))
-            return
-        self.drafter_fetch = None
-        await self.publish_drafter(max(self.drafter_version() + 1, msg.version), tensors, source=peer.name)
-
-    def restore_drafter(self, folder: Path) -> None:
-        """Serve again the drafter saved with checkpoint `folder`, if any, as its version: generators get
-        it when they join, as they would have from the run before."""
-        path = folder / DRAFTER_FILE
-        if not path.is_file():
-            return
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as saved:
-                version = int((saved.metadata() or {}).get("version", "1"))
-                tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (not a dict)
-        except (OSError, ValueError, SafetensorError) as exc:
-            # The drafter only speeds decoding up: the run resumes without it and generators train anew.
-            log.warning("drafter in %s not restored (%s); generators start from their own", path, exc)
-            return
-        self.store.publish("drafter", max(version, 1), tensors)
-        self.drafter_state = tensors
-        log.info("drafter v%d restored from %s", max(version, 1), folder)
-
-    async def publish_drafter(self, version: int, tensors: dict[str, torch.Tensor], *, source: str) -> None:
-        notice = self.store.publish("drafter", version, tensors)
-        self.drafter_state = tensors
-        self.counters["trainer/drafter/published"] += 1
-        log.info("drafter v%d from %s republished to the generators", version, source)
-        for peer in list(self.server.peers.values()):
-            if peer.role == "generator":
-                await self.server.send(peer.id, notice)
-        await self.server.publish(notice)
+        await self.drafters.on_chunk(peer, msg)
 
     async def on_peer_error(self, peer: Any, msg: m.Error) -> None:
-        if msg.ref_kind == m.WeightsFetch.KIND and self.drafter_fetch is not None and self.drafter_fetch[0] == peer.id:
-            self.drafter_fetch = None  # the generator no longer serves that version; a newer notice follows
+        if msg.ref_kind == m.WeightsFetch.KIND:
+            self.drafters.forget_fetch_from(peer.id)  # the generator no longer serves that version
 
     async def on_stats(self, peer: Any, msg: m.Stats) -> None:
         self.peer_stats[peer.name] = msg
@@ -532,11 +466,8 @@ class TrainerService:
             "unfinished": [dataclasses.asdict(p) for p in unfinished],
         }, counters=self.summary() | {"samples_handed_out": consistent["samples_handed_out"]},
             tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
-        if self.drafter_state is not None and folder.is_dir():  # rank 0 alone relays drafters
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in self.drafter_state.items()}, str(folder / DRAFTER_FILE),
-                      metadata={"version": str(self.drafter_version())})
+        if folder.is_dir():  # rank 0 alone relays drafters
+            self.drafters.save(folder)
         return folder
 
     def summary(self) -> dict[str, Any]:
@@ -575,17 +506,3 @@ class TrainerService:
         return summary
 
 
-def check_drafter_layout(tensors: dict[str, Any], served: dict[str, Any] | None) -> None:
-    """ValueError unless `tensors` has the served drafter's names and shapes (any layout is taken first:
-    the trainer holds no drafter of its own; generators validate again in Drafter.load_state)."""
-    if served is not None:
-        check_same_layout(tensors, served, "drafter state")
-
-
-def _read_key(path: str) -> bytes | None:
-    if not path:
-        return None
-    key_file = Path(path)
-    if not key_file.is_file():
-        raise ValueError(f"trainer.curve_secret_key_file: {path} does not exist")
-    return key_file.read_bytes().strip()

@@ -322,7 +322,7 @@ def test_load_model_round_trip(tmp_path):
 def test_outputs_are_ordinary_tensors_that_autograd_accepts():
     # The backend decodes under inference_mode; what it hands out (finished, cancelled, traces) must
     # be ordinary tensors, since a trainer in the same process builds autograd graphs on them.
-    from tailrace.engine.generator.drafter import Drafter
+    from tailrace.engine.drafter import Drafter
     from tailrace.engine.generator.speculative import FixedDepth
 
     model = make_model("qwen2")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.backend import Request, TorchBackend
 from tailrace.engine.generator.bandit import DEFAULT_ARMS, SpecBandit, bucket_label, bucket_of
-from tailrace.engine.generator.drafter import Drafter
 from tailrace.engine.generator.speculative import telemetry
 from tailrace.protocol.messages import SamplingParams
 

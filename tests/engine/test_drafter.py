@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tailrace.engine.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
 from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
 from tailrace.engine.generator.speculative import FixedDepth, Trace
 from tailrace.engine.generator.spot import (
     KeyRecorder,

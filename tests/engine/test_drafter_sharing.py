@@ -1,7 +1,9 @@
 """Drafter sharing, generator -> trainer -> generators (protocol/SPEC.md, "Drafter sharing"): the trainer
 in-process fetches an announced drafter from a fake generator and republishes it to another, which
-fetches the same tensors; bad uploads are rejected and counted; the generator's side (announce, serve,
-fetch, adopt between steps) runs on a bare GeneratorService with fakes.
+fetches the same tensors; uploads that are not the next version or not a drafter for the trainer's policy
+(names, shapes, dtypes, sizes) are refused and counted, never served or checkpointed, and with
+trainer.accept_drafters false none is taken; the generator's side (announce, serve, fetch, adopt between
+steps) runs on a bare GeneratorService with fakes.
 
 Run: pytest tests/engine/test_drafter_sharing.py
 """
@@ -15,21 +17,22 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.config import load_config
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator import service as gen_service
-from tailrace.engine.generator.drafter import Drafter
 from tailrace.engine.generator.service import GeneratorService
 from tailrace.engine.generator.spot import SpotTrainer
-from tailrace.engine.trainer.service import DRAFTER_FILE, TrainerService
+from tailrace.engine.trainer.drafters import DRAFTER_FILE
+from tailrace.engine.trainer.service import TrainerService
 from tailrace.engine.weights import WeightsAssembler, WeightsStore
 from tailrace.protocol import messages as m
 from tailrace.protocol.transport import Client
 
 
-def make_service(tmp_path, resume: bool = False):
+def make_service(tmp_path, resume: bool = False, *overrides: str):
     cfg = load_config(None, ["--train.steps", "1", "--train.groups_per_step", "1", "--sampling.group_size", "4",
                              "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
                              "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "drafters",
-                             "--trainer.heartbeat_interval_s", "0.2"])
+                             "--trainer.heartbeat_interval_s", "0.2", *overrides])
     return TrainerService(cfg, resume=resume)
 
 
@@ -39,8 +42,9 @@ async def wait_bound(service):
     return service.server.address
 
 
-def drafter_state(scale: float = 1.0) -> dict[str, torch.Tensor]:
-    return {"proj.weight": torch.full((4, 8), scale), "norm.weight": torch.full((4,), -scale)}
+def drafter_state(service, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """A drafter for the service's policy (the layout it derives), every element `scale`."""
+    return {k: torch.full(v.shape, scale, dtype=v.dtype) for k, v in service.drafters.reference.items()}
 
 
 async def recv_kind(client, kind, timeout_s: float = 10.0):
@@ -84,72 +88,101 @@ async def test_trainer_relays_a_generator_drafter_to_the_others_and_serves_it_af
     run = asyncio.create_task(service.run())
     address = await wait_bound(service)
     caps = {"vocab_size": service.vocab_size}
+    good = drafter_state(service, 1.0)
     try:
         async with Client(address, role="generator", name="a", max_inflight=8, capabilities=caps) as a, \
                 Client(address, role="generator", name="b", max_inflight=8, capabilities=caps) as b:
             await asyncio.wait_for(a.connect(), 10)
             welcome_b = await asyncio.wait_for(b.connect(), 10)
             assert welcome_b.drafter_version == 0
-            store = WeightsStore(chunk_bytes=64)  # several chunks
-            store.publish("drafter", 3, drafter_state(1.0))
-            await serve_upload(a, store, 3)
+            store = WeightsStore(chunk_bytes=64 << 10)  # several chunks
+            store.publish("drafter", 1, good)
+            await serve_upload(a, store, 1)
             notice = await recv_kind(b, m.WeightsNotice)
-            assert (notice.model, notice.version, notice.num_tensors) == ("drafter", 3, 2)
-            assert (await recv_kind(a, m.WeightsNotice)).version == 3  # the uploader hears it too
+            assert (notice.model, notice.version, notice.num_tensors) == ("drafter", 1, len(good))
+            assert (await recv_kind(a, m.WeightsNotice)).version == 1  # the uploader hears it too
             got = await fetch_all(b, notice)
-            assert all(torch.equal(got[k], v) for k, v in drafter_state(1.0).items())
-            assert service.server.drafter_version == 3
+            assert all(torch.equal(got[k], v) for k, v in good.items())
+            assert service.server.drafter_version == 1
 
-            # Not newer than the served version: not fetched.
-            store.publish("drafter", 2, drafter_state(9.0))
-            await a.send(store.latest("drafter"))
-            await wait_for(lambda: service.counters["trainer/drafter/announcements_skipped"] == 1)
+            # Only the next version is taken: neither the served one again nor one that skips ahead.
+            for version in (1, 5):
+                store.publish("drafter", version, drafter_state(service, 9.0))
+                await a.send(store.latest("drafter"))
+            await wait_for(lambda: service.counters["trainer/drafter/announcements_skipped"] == 2)
 
-            # Wrong shapes: rejected and counted, the served drafter stays.
-            bad = WeightsStore()
-            bad.publish("drafter", 7, {"proj.weight": torch.zeros(5, 8), "norm.weight": torch.zeros(4)})
-            await serve_upload(a, bad, 7)
-            await wait_for(lambda: service.counters["trainer/drafter/rejected"] == 1)
-            assert service.server.drafter_version == 3
+            # Not a drafter for this policy: refused (at the announcement, or chunk by chunk), counted,
+            # never republished; the served drafter stays.
+            name, first = next(iter(good.items()))
+            bad_uploads = [
+                {**good, name: first.flatten()},  # same bytes, wrong shape
+                {**good, name: first.double()},  # wrong dtype (and size)
+                {("x" + k if k == name else k): v for k, v in good.items()},  # a name it does not have
+                {k: v for k, v in good.items() if k != name},  # one missing
+            ]
+            for bad in bad_uploads:
+                bad_store = WeightsStore(chunk_bytes=64 << 10)
+                notice = bad_store.publish("drafter", 2, bad)
+                await a.send(notice)
+                if notice.total_bytes == store.latest("drafter").total_bytes and notice.num_tensors == len(good):
+                    fetch = await recv_kind(a, m.WeightsFetch)
+                    await a.send(bad_store.chunk("drafter", 2, fetch.chunk_index))
+            await wait_for(lambda: service.counters["trainer/drafter/rejected"] == len(bad_uploads))
+            assert service.counters["trainer/drafter/rejected/layout"] == len(bad_uploads)
+            assert service.server.drafter_version == 1 and service.drafters.fetch is None
 
             # A generator that joins later learns of the served drafter at once.
             async with Client(address, role="generator", name="c", max_inflight=8, capabilities=caps) as c:
                 welcome_c = await asyncio.wait_for(c.connect(), 10)
-                assert welcome_c.drafter_version == 3
-                assert (await recv_kind(c, m.WeightsNotice)).version == 3
+                assert welcome_c.drafter_version == 1
+                assert (await recv_kind(c, m.WeightsNotice)).version == 1
 
-            # A newer upload replaces the served drafter; the checkpoint keeps the latest.
-            store.publish("drafter", 5, drafter_state(2.0))
-            await serve_upload(a, store, 5)
-            assert (await recv_kind(b, m.WeightsNotice)).version == 5
+            # The next upload replaces the served drafter; the checkpoint keeps the latest.
+            store.publish("drafter", 2, drafter_state(service, 2.0))
+            await serve_upload(a, store, 2)
+            assert (await recv_kind(b, m.WeightsNotice)).version == 2
 
             folder = service.save_checkpoint()
             saved = load_file(str(folder / DRAFTER_FILE))
-            assert torch.equal(saved["proj.weight"], drafter_state(2.0)["proj.weight"])
+            assert all(torch.equal(saved[k], v) for k, v in drafter_state(service, 2.0).items())
     finally:
         service.request_stop("test over")
         await asyncio.wait_for(run, 60)
-    # Resumed, the trainer serves the checkpoint's drafter again: a joining generator is told of v5.
-    resumed = make_service(tmp_path, resume=True)
-    assert resumed.drafter_version() == 5
-    assert torch.equal(resumed.drafter_state["norm.weight"], drafter_state(2.0)["norm.weight"])
+    # Resumed, the trainer serves the checkpoint's drafter again: a joining generator is told of v2.
+    resumed = make_service(tmp_path, True)
+    assert resumed.drafter_version() == 2
+    assert all(torch.equal(resumed.drafters.state[k], v) for k, v in drafter_state(resumed, 2.0).items())
     run = asyncio.create_task(resumed.run())
     address = await wait_bound(resumed)
     try:
         async with Client(address, role="generator", name="d", max_inflight=8, capabilities=caps) as d:
-            assert (await asyncio.wait_for(d.connect(), 10)).drafter_version == 5
+            assert (await asyncio.wait_for(d.connect(), 10)).drafter_version == 2
             notice = await recv_kind(d, m.WeightsNotice)
-            assert (notice.model, notice.version) == ("drafter", 5)
+            assert (notice.model, notice.version) == ("drafter", 2)
             got = await fetch_all(d, notice)
-            assert all(torch.equal(got[k], v) for k, v in drafter_state(2.0).items())
+            assert all(torch.equal(got[k], v) for k, v in drafter_state(resumed, 2.0).items())
     finally:
         resumed.request_stop("test over")
+        await asyncio.wait_for(run, 60)
+    # With trainer.accept_drafters off, nothing is taken, and no saved drafter is served either.
+    closed = make_service(tmp_path, True, "--trainer.accept_drafters", "false")
+    assert closed.drafter_version() == 0 and closed.drafters.reference is None
+    run = asyncio.create_task(closed.run())
+    address = await wait_bound(closed)
+    try:
+        async with Client(address, role="generator", name="e", max_inflight=8, capabilities=caps) as e:
+            await asyncio.wait_for(e.connect(), 10)
+            await e.send(store.publish("drafter", 1, good))
+            await wait_for(lambda: closed.counters["trainer/drafter/rejected/off"] == 1)
+            assert closed.server.drafter_version == 0
+    finally:
+        closed.request_stop("test over")
         await asyncio.wait_for(run, 60)
     # A damaged drafter file costs the drafter, not the run.
     for folder in (tmp_path / "drafters" / "checkpoint").iterdir():
         if (folder / DRAFTER_FILE).is_file():
             (folder / DRAFTER_FILE).write_bytes(b"not safetensors")
-    assert make_service(tmp_path, resume=True).drafter_version() == 0
+    assert make_service(tmp_path, True).drafter_version() == 0
 
 
 # ---------------------------------------------------------------------------------------- generator side

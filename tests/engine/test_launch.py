@@ -70,6 +70,30 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     assert _processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.timeout(240)
+def test_run_with_curve_trains_and_admits_only_its_own_children(tmp_path):
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    (tmp_path / "trainer.key").write_bytes(secret)
+    run_dir = tmp_path / "runs" / "curve"
+    proc = _run(tmp_path, "--trainer.run_name", "curve", "--trainer.curve_secret_key_file", str(tmp_path / "trainer.key"),
+                "--train.steps", "3", "--train.groups_per_step", "2", "--sampling.group_size", "4",
+                "--launch.num_generators", "1", "--reward.mode", "servers")
+    try:
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["scored_by"]["server"] > 0, summary
+    assert (run_dir / "keys" / "server.pub").read_bytes() == public
+    allowed = (run_dir / "keys" / "clients.allow").read_text()
+    assert allowed.count(" generator ") == 1 and allowed.count(" reward ") == 1 and allowed.count(" tool ") == 1
+    assert _processes_mentioning(str(run_dir)) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_run_learns_within_five_minutes(tmp_path):

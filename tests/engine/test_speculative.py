@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
 
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator import speculative
 from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.drafter import Drafter
 from tailrace.engine.generator.kv import SlotKVCache
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
 from tailrace.engine.generator.speculative import FixedDepth, accept_drafts

@@ -8,8 +8,8 @@ Run: pytest tests/engine/test_tree_sampling.py
 import pytest
 import torch
 
+from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.backend import TorchBackend
-from tailrace.engine.generator.drafter import Drafter
 from tailrace.engine.generator.requests import Request, requests_for
 from tailrace.engine.generator.speculative import FixedDepth
 from tailrace.engine.generator.tree import TreeSampling, split_samples

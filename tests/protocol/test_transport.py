@@ -205,16 +205,16 @@ async def test_shutdown_from_server_then_connection_lost(ctx, address):
             await client.send(stats())
 
 
-async def test_rejects_duplicate_name_trainer_role_and_accept_hook(ctx, address):
+async def test_rejects_stale_incarnation_trainer_role_and_accept_hook(ctx, address):
     def accept(hello: Hello) -> Reject | None:
         return Reject(code=ErrorCode.UNAUTHORIZED, text="no tools today") if hello.role == "tool" else None
 
     async with Server(address, run_id="r", accept=accept, context=ctx) as server:
-        async with Client(server.address, role="generator", name="dup", context=ctx) as first:
+        async with Client(server.address, role="generator", name="dup", context=ctx, incarnation=5) as first:
             await first.connect(timeout_s=WAIT_S)
-            for role, name, text in [("generator", "dup", "already connected"), ("trainer", "x", "trainer"),
+            for role, name, text in [("generator", "dup", "newer incarnation"), ("trainer", "x", "trainer"),
                                      ("tool", "top", "no tools today"), ("generator", "", "empty")]:
-                client = Client(server.address, role=role, name=name, context=ctx)
+                client = Client(server.address, role=role, name=name, context=ctx, incarnation=4)
                 with pytest.raises(Rejected, match=text) as info:
                     await client.connect(timeout_s=WAIT_S)
                 assert info.value.code == ErrorCode.UNAUTHORIZED

@@ -231,7 +231,7 @@ def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str]
     import torch
 
     from tailrace.engine import models
-    from tailrace.engine.generator.drafter import Drafter
+    from tailrace.engine.drafter import Drafter
     from tools.benches.spec import collect_traces, train_drafter
 
     torch.set_num_threads(1)

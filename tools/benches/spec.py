@@ -192,7 +192,7 @@ def _tv(a, b) -> float:
 def run(quick: bool, log: Callable[[str], None]) -> dict:
     import torch
 
-    from tailrace.engine.generator.drafter import Drafter
+    from tailrace.engine.drafter import Drafter
     from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
 
     torch.set_num_threads(1)

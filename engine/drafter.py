@@ -1,4 +1,5 @@
 """The speculative-decoding drafter: one EAGLE-style decoder layer on top of the policy's hidden states.
+Shared from below: generators run and train it, the trainer checks uploads against expected_state().
 
     input at token t:  fc([embed(x_t), h_{t-1}])       h_{t-1}: the policy's last hidden state (after its
                        -> decoder layer (attention over  final norm) at the previous token, which is the
@@ -215,6 +216,17 @@ class Drafter(nn.Module):
         drafter = cls.for_policy(policy, DrafterConfig(**meta["config"]))
         drafter.load_state(load_file(str(folder / WEIGHTS_FILE)), int(meta["version"]))
         return drafter
+
+
+def expected_state(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The state a drafter for `policy` has (names, shapes, dtypes), as tensors on the meta device: no
+    memory, no initialisation. What the trainer checks drafter uploads against."""
+    weight = policy.get_input_embeddings().weight
+    config = DrafterConfig.from_policy(policy.config)
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        drafter = Drafter(config, embed, nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    return {name: t.to(dtype=weight.dtype) for name, t in drafter.state_dict().items()}
 
 
 def load_or_create(folder: str | Path | None, policy: nn.Module, seed: int = 0) -> Drafter:
