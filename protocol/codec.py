@@ -54,6 +54,10 @@ class Limits:
     max_message_bytes: int = 1 << 31
     max_frames: int = 1 << 16
     max_body_bytes: int = 64 << 20
+    max_handshake_bytes: int = 64 << 10
+    """Bytes of a whole message from a peer that has no session yet (it may send only a Hello): refused
+    before any frame is copied or parsed (see protocol/_server.py)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             if getattr(self, f.name) < 1:
