@@ -275,6 +275,8 @@ class Server(Endpoint):
         peer = self._peers.get(ident)
         if peer is not None:
             peer.last_seen_s = time.monotonic()
+        elif self._too_large_before_hello(ident, frames):
+            return
         try:
             msg = codec.decode(frames[1:], self.limits)
         except ProtocolError as exc:
@@ -325,6 +327,18 @@ class Server(Endpoint):
         except Exception:  # a routed handler's bug must not stop the receive loop
             self.counters["errors/route_handler"] += 1
             log.exception("route handler for %s failed", kind.__name__)
+
+    def _too_large_before_hello(self, ident: bytes, frames: list) -> bool:
+        """A peer without a session may send only a small Hello: anything larger is dropped by its frame
+        sizes alone, before it is copied or parsed (ZeroMQ itself has buffered it once, up to
+        max_frame_bytes, and frees it when the frames go)."""
+        size = sum(map(len, frames[1:]))  # bytes and zmq.Frame alike
+        if size <= self.limits.max_handshake_bytes:
+            return False
+        self.counters["dropped/too_large_before_hello"] += 1
+        self._reply_error(ident, ErrorCode.TOO_LARGE, f"a message of {size} bytes before a Welcome; the limit "
+                          f"is {self.limits.max_handshake_bytes} bytes until a Hello is accepted")
+        return True
 
     def _bad_input(self, ident: bytes, frames: list, exc: ProtocolError) -> None:
         self.counters["bad_input"] += 1

@@ -6,8 +6,10 @@
 
 A tensor field is a descriptor [dtype, shape, data]: data is the bytes (bin) when the tensor has at most
 INLINE_MAX_BYTES, else the index (>= 2) of its frame. `peek_header` dispatches on frame 0 without touching
-the body. Decoding is strict: every field's type and bounds are checked and anything wrong raises
-ProtocolError naming the message kind and field. Never pickle.
+the body. Decoding is strict and bounded: msgspec decodes the body against the message's schema
+(protocol/schema.py), checking every length before it allocates and every bound; tensor descriptors are
+then checked against their field and turned into tensors. Anything wrong raises ProtocolError naming the
+message kind and field. Never pickle, never generated code.
 Test: pytest tests/protocol/test_codec.py; speed: python tools/bench.py protocol
 """
 
@@ -22,18 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
 from tailrace.protocol import messages  # noqa: F401  (registers every message class)
+from tailrace.protocol._forms import Form, Invalid, Spec, form_of
 from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode
-from tailrace.protocol.schema import (
-    DTYPES,
-    MESSAGE_CLASSES,
-    ArraySpec,
-    Invalid,
-    ProtocolError,
-    check_descriptor,
-    decode_fields,
-)
+from tailrace.protocol.schema import DTYPES, MAX_NDIM, MAX_SPAN, MESSAGE_CLASSES, ProtocolError, explain
 
 __all__ = ["DTYPES", "HEADER_BYTES", "INLINE_MAX_BYTES", "Limits", "ProtocolError", "decode", "encode",
            "peek_header"]
@@ -58,6 +54,9 @@ class Limits:
     max_message_bytes: int = 1 << 31
     max_frames: int = 1 << 16
     max_body_bytes: int = 64 << 20
+    max_handshake_bytes: int = 64 << 10
+    """Bytes of a whole message from a peer that has no session yet (it may send only a Hello): refused
+    before any frame is copied or parsed (see protocol/_server.py)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -183,22 +182,18 @@ class _Decoding:
         self.frames = frames
         self.used: set[int] = set()
 
-    def array(self, desc: Any, spec: ArraySpec) -> Any:
+    def array(self, desc: Any, spec: Spec) -> Any:
         if _frombuffer is None:  # here, not in __init__: messages without tensors never import torch
             _import_torch()
         # Fast path, the common case of small 1-d tensors inline: accepts a subset of what the full
         # path does (same dtype, rank, count and byte checks), and builds the same tensor.
-        if type(desc) is list and len(desc) == 3 and spec.one_dim:
-            name, shape, data = desc
-            if type(data) is bytes and type(shape) is list and len(shape) == 1 and type(name) is str \
-                    and name in spec.dtypes:
-                inline = _INLINE_1D.get(name)  # (bytes per element, torch dtype); bool is not here
-                count = shape[0]
-                if inline is not None and type(count) is int and 0 < count <= spec.max_count \
-                        and len(data) == count * inline[0]:
-                    return _frombuffer(bytearray(data), dtype=inline[1])  # writable copy
-        name, shape, count, data = check_descriptor(desc, spec)
-        return self._tensor(name, shape, count, data)
+        name, shape, data = desc.dtype, desc.shape, desc.data
+        if spec.one_dim and type(data) is bytes and len(shape) == 1 and name in spec.dtypes:
+            inline = _INLINE_1D.get(name)  # (bytes per element, torch dtype); bool is not here
+            count = shape[0]
+            if inline is not None and 0 < count <= spec.max_count and len(data) == count * inline[0]:
+                return _frombuffer(bytearray(data), dtype=inline[1])  # writable copy
+        return self._tensor(name, shape, _count(name, shape, spec), data)
 
     def _tensor(self, name: str, shape: list[int], count: int, data: Any) -> Any:
         nbytes = count * DTYPES[name]
@@ -227,39 +222,59 @@ class _Decoding:
         return tensor if len(shape) == 1 else tensor.view(shape)
 
 
+def _count(name: str, shape: list[int], spec: Spec) -> int:
+    """Element count of a descriptor's dtype and shape, checked against the field's spec before any
+    memory is touched."""
+    if name not in spec.dtypes:
+        raise Invalid(f"dtype {name!r} is not one of {sorted(spec.dtypes)}")
+    ndim = spec.ndim
+    if (ndim is not None and len(shape) != ndim) or len(shape) > MAX_NDIM:
+        raise Invalid(f"shape {shape!r} must have {ndim if ndim is not None else f'<= {MAX_NDIM}'} dimensions")
+    count = span = 1
+    for d in shape:
+        if d < 0:
+            raise Invalid(f"bad shape {shape!r}: dimensions are non-negative ints")
+        count *= d
+        span *= d or 1  # an empty tensor still needs strides that fit in int64
+    if span > MAX_SPAN:
+        raise Invalid(f"shape {shape!r} is too large (product of non-zero dimensions over 2^53)")
+    if count > spec.max_count:
+        raise Invalid(f"{count} elements exceed the maximum {spec.max_count}")
+    return count
+
+
 # ---------------------------------------------------------------------------------------- encode
 
-_local = threading.local()  # one Packer per thread: a Packer is not safe to share
+_local = threading.local()  # one Encoder per thread
 
 
 def _to_wire_scalar(obj: Any) -> Any:
-    """MessagePack `default` hook: numpy scalars (np.float32(0.5), np.int64(3)) become Python ones."""
+    """msgspec `enc_hook`: numpy scalars (np.float32(0.5), np.int64(3)) become Python ones. Tensors
+    never get here: their fields are descriptors before msgspec sees them."""
     item = getattr(obj, "item", None)
     if item is not None and type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
         return item()
     raise TypeError(f"cannot encode a {type(obj).__name__}")
 
 
-def _packer() -> msgpack.Packer:
+def _encoder() -> msgspec.msgpack.Encoder:
     try:
-        return _local.packer
+        return _local.encoder
     except AttributeError:
-        _local.packer = msgpack.Packer(use_bin_type=True, default=_to_wire_scalar)
-        return _local.packer
+        _local.encoder = msgspec.msgpack.Encoder(enc_hook=_to_wire_scalar)
+        return _local.encoder
 
 
-def _pack(values: Any, msg: Any) -> bytes:
-    packer = _packer()
-    try:
-        return packer.pack(values)
-    except (TypeError, ValueError, OverflowError) as exc:
-        kind = type(msg).__name__
-        for (name, _, _), value in zip(type(msg).__wire_fields__, values, strict=False):
-            try:
-                packer.pack(value)
-            except (TypeError, ValueError, OverflowError) as field_exc:
-                raise TypeError(f"{kind}.{name}: {field_exc}") from None
-        raise TypeError(f"{kind}: {exc}") from None
+def _failed(msg: Any, values: Any, exc: Exception) -> TypeError:
+    """Name the field that could not be encoded (re-encodes field by field: errors only)."""
+    kind = type(msg).__name__
+    encoder = _encoder()
+    for name, value in zip(type(msg).__struct_fields__, values, strict=True):
+        try:
+            encoder.encode(value)
+        except (TypeError, ValueError, OverflowError) as field_exc:
+            return TypeError(f"{kind}.{name}: {field_exc}")
+    return TypeError(f"{kind}: {exc}")
 
 
 def encode(msg: Any, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> list[Any]:
@@ -269,18 +284,50 @@ def encode(msg: Any, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> list[Any]:
     header = _HEADER_OF.get(cls)
     if header is None:
         raise TypeError(f"{cls.__name__} is not a registered message")
-    if cls.__wire_plain__:
-        return [header, _pack(cls.__wire_encode__(msg, None), msg)]
-    encoding = _Encoding(header, inline_max_bytes)
-    encoding.frames[1] = _pack(cls.__wire_encode__(msg, encoding), msg)
-    return encoding.frames
+    form = _FORMS[cls]
+    if form.to_wire is None:
+        frames, values = [header, b""], msg
+    else:
+        encoding = _Encoding(header, inline_max_bytes)
+        frames, values = encoding.frames, form.to_wire(msg, encoding)
+    try:
+        frames[1] = _encoder().encode(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        fields = [getattr(msg, name) for name in cls.__struct_fields__] if values is msg else values
+        raise _failed(msg, fields, exc) from None
+    return frames
 
 
 # ---------------------------------------------------------------------------------------- decode
 
+_FORMS: dict[type, Form] = {cls: form_of(cls) for cls in MESSAGE_CLASSES.values()}
+EXPLAIN_MAX_BYTES = 64 << 10
+"""A refused body up to this size is parsed again to say exactly what is wrong: without a schema (so that
+what is not MessagePack at all, such as bad UTF-8, a non-str map key or an extension, is called so) and
+along msgspec's error path. Larger ones never are: parsing them again could cost what the schema saved;
+their error texts are msgspec's own, with field names."""
+
 
 def _ext_rejected(code: int, data: bytes) -> Any:
     raise ValueError(f"MessagePack extension type {code} is not part of the protocol")
+
+
+def _not_msgpack(kind: str, exc: Exception) -> ProtocolError:
+    return ProtocolError(f"{kind}: body is not valid MessagePack ({type(exc).__name__}: {exc})",
+                         code=ErrorCode.BAD_FIELD, kind=kind)
+
+
+def _refused(cls: type, body: Any, exc: msgspec.ValidationError) -> ProtocolError:
+    small = _nbytes(body) <= EXPLAIN_MAX_BYTES
+    if small:
+        try:
+            msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_ext_rejected)
+        except Exception as parse_exc:  # msgpack raises several unrelated types for malformed input
+            return _not_msgpack(cls.__name__, parse_exc)
+    try:
+        return explain(cls, _FORMS[cls].wire_type, body if small else None, exc, ErrorCode.BAD_FIELD)
+    except Exception:  # explain could not follow the path: msgspec's own words still name it
+        return ProtocolError(f"{cls.__name__}: {exc}", code=ErrorCode.BAD_FIELD, kind=cls.__name__)
 
 
 def _header_class(frame: Any) -> type:
@@ -323,23 +370,30 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
     if cls is None:
         cls = _header_class(head)
     _check_sizes(frames, cls, limits)
-    if cls.__wire_plain__ and num_frames != 2:
+    form = _FORMS[cls]
+    if form.to_message is None and num_frames != 2:
         raise ProtocolError(f"{cls.__name__}: {num_frames - 2} tensor frames but the message has no tensors",
                             code=ErrorCode.BAD_FRAME, kind=cls.__name__)
+    buffer = _buffer_of(frames[1])
     try:
-        values = msgpack.unpackb(_buffer_of(frames[1]), raw=False, strict_map_key=True, ext_hook=_ext_rejected)
-    except Exception as exc:  # msgpack raises several unrelated types for malformed input
-        raise ProtocolError(f"{cls.__name__}: body is not valid MessagePack ({type(exc).__name__}: {exc})",
-                            code=ErrorCode.BAD_FIELD, kind=cls.__name__) from None
-    ctx = None if cls.__wire_plain__ else _Decoding(frames)
+        values = form.decoder.decode(buffer)
+    except msgspec.ValidationError as exc:
+        raise _refused(cls, buffer, exc) from None
+    except Exception as exc:  # DecodeError for malformed input, RecursionError for deep nesting
+        raise _not_msgpack(cls.__name__, exc) from None
+    if form.to_message is None:
+        return values
+    ctx = _Decoding(frames)
+    kind = cls.__name__
     try:
-        msg = decode_fields(cls, values, ctx)
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError, OverflowError, RuntimeError, RecursionError, MemoryError) as exc:
-        raise ProtocolError(f"{cls.__name__}: {type(exc).__name__}: {exc}", code=ErrorCode.BAD_FIELD,
-                            kind=cls.__name__) from None
-    if ctx is not None and len(ctx.used) != num_frames - 2:
-        raise ProtocolError(f"{cls.__name__}: {num_frames - 2} tensor frames but {len(ctx.used)} referenced",
-                            code=ErrorCode.BAD_FRAME, kind=cls.__name__)
+        msg = form.to_message(values, ctx)
+    except Invalid as exc:
+        path = exc.field_path()
+        raise ProtocolError(f"{kind}.{path}: {exc.text}" if path else f"{kind}: {exc.text}", code=exc.code,
+                            kind=kind, field=path) from None
+    except (TypeError, ValueError, OverflowError, RuntimeError, MemoryError) as exc:  # __post_init__, torch
+        raise ProtocolError(f"{kind}: {exc}", code=ErrorCode.BAD_FIELD, kind=kind) from None
+    if len(ctx.used) != num_frames - 2:
+        raise ProtocolError(f"{kind}: {num_frames - 2} tensor frames but {len(ctx.used)} referenced",
+                            code=ErrorCode.BAD_FRAME, kind=kind)
     return msg

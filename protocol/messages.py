@@ -1,15 +1,29 @@
 """The whole tailrace wire vocabulary: one class per message, fields in wire order.
 
 Field order is the wire contract: append new fields at the end (with a default), never insert; change
-PROTOCOL_VERSION when a layout changes. Bounds live in `wire(...)`; the codec enforces them. Byte-level
-details are in protocol/SPEC.md. No logic here. Test: pytest tests/protocol/test_codec.py
+PROTOCOL_VERSION when a layout changes. Messages are msgspec Structs (protocol/schema.py); bounds are
+`Meta(...)` annotations, which msgspec enforces while decoding. Byte-level details are in protocol/SPEC.md.
+No logic here. Test: pytest tests/protocol/test_codec.py
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-from tailrace.protocol.schema import Array, Scalar, message, struct, wire
+from msgspec import Meta, field
+
+from tailrace.protocol.schema import (
+    INT64_MAX,
+    Array,
+    Key,
+    Scalar,
+    TensorSpec,
+    Text,
+    UInt,
+    WireStruct,
+    message,
+    struct,
+)
 
 PROTOCOL_VERSION = 1
 """Version of the wire layout (frames and field order). Unrelated to the policy version of weights."""
@@ -19,10 +33,19 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MODELS = ("policy", "drafter")
 STATES = ("starting", "idle", "generating", "training", "syncing_weights", "scoring", "drafter_training",
           "checkpointing", "stopping")
+Role = Literal[ROLES]
+Model = Literal[MODELS]
 
 MAX_TOKENS = 1 << 21
 """Upper bound on the number of tokens in one prompt or completion on the wire."""
 MAX_VOCAB = 1 << 24
+
+TokenId = Annotated[int, Meta(ge=0, le=MAX_VOCAB)]
+Name = Annotated[str, Meta(max_length=128)]
+LongText = Annotated[str, Meta(max_length=4096)]
+Code = Annotated[int, Meta(ge=0, le=65535)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+IntTokens = Annotated[Array, TensorSpec(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)]
 
 
 class ErrorCode:
@@ -45,46 +68,43 @@ class ErrorCode:
 
 
 @struct
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
+class SamplingParams(WireStruct):
     """How to sample one prompt's completions. temperature 0 is greedy.
 
     Example: SamplingParams(temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=256,
     stop_token_ids=[2], seed=7)
     """
 
-    temperature: float = wire(default=1.0, ge=0.0, le=100.0)
-    top_p: float = wire(default=1.0, ge=0.0, le=1.0)       # nucleus mass; 1.0 = off
-    top_k: int = wire(default=0, ge=0, le=MAX_VOCAB)        # 0 = off
-    max_new_tokens: int = wire(default=256, ge=1, le=MAX_TOKENS)
-    stop_token_ids: list[int] = wire(default_factory=list, ge=0, le=MAX_VOCAB, max_len=64)
-    seed: int | None = wire(default=None, ge=0, le=(1 << 63) - 1)  # None: generator's own stream
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0       # nucleus mass; 1.0 = off
+    top_k: Annotated[int, Meta(ge=0, le=MAX_VOCAB)] = 0        # 0 = off
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 256
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = field(default_factory=list)
+    seed: UInt | None = None  # None: generator's own stream
 
 
 @struct
-@dataclass(frozen=True, kw_only=True)
-class WorkItem:
+class WorkItem(WireStruct):
     """One prompt to sample `num_samples` times (a GRPO group, or part of one).
 
     Example: WorkItem(group_id=12, prompt_token_ids=[1, 57, 33], num_samples=8, first_sample_id=0,
     sampling=SamplingParams(), task="copy", min_policy_version=3)
     """
 
-    group_id: int = wire(ge=0)
-    prompt_token_ids: list[int] = wire(ge=0, le=MAX_VOCAB, max_len=MAX_TOKENS)
-    num_samples: int = wire(ge=1, le=4096)
-    first_sample_id: int = wire(default=0, ge=0, le=4096)  # sample ids are first..first+num_samples-1
+    group_id: UInt
+    prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_TOKENS)]
+    num_samples: Annotated[int, Meta(ge=1, le=4096)]
+    first_sample_id: Annotated[int, Meta(ge=0, le=4096)] = 0  # sample ids are first..first+num_samples-1
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    task: str = wire(default="", max_len=256)
-    min_policy_version: int = wire(default=0, ge=0)  # do not sample with weights older than this
+    task: Annotated[str, Meta(max_length=256)] = ""
+    min_policy_version: UInt = 0  # do not sample with weights older than this
 
 
 # ---------------------------------------------------------------------------------------- handshake
 
 
 @message(1)
-@dataclass(frozen=True, kw_only=True)
-class Hello:
+class Hello(WireStruct):
     """First message a connecting peer sends; nothing else is served before a Welcome.
 
     role: one of ROLES. name: free-form, unique per run (e.g. "gen-0"). tasks: for reward servers, the
@@ -97,19 +117,18 @@ class Hello:
     tasks=["math"], max_inflight=16, capabilities={"language": "go"})
     """
 
-    role: str = wire(choices=ROLES)
-    name: str = wire(max_len=128)
-    protocol_version: int = wire(ge=0, le=65535)
-    package_version: str = wire(max_len=64)
-    tasks: list[str] = wire(default_factory=list, max_len=1024)
-    max_inflight: int = wire(default=1, ge=1, le=1 << 16)
-    capabilities: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
-    incarnation: int = wire(default=0, ge=0, le=(1 << 63) - 1)  # grows per process start; >= live one's: takeover
+    role: Role
+    name: Name
+    protocol_version: Code
+    package_version: Annotated[str, Meta(max_length=64)]
+    tasks: Annotated[list[Text], Meta(max_length=1024)] = field(default_factory=list)
+    max_inflight: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+    capabilities: Annotated[dict[Key, Scalar], Meta(max_length=256)] = field(default_factory=dict)
+    incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] = 0  # grows per process start; >= live one's: takeover
 
 
 @message(2)
-@dataclass(frozen=True, kw_only=True)
-class Welcome:
+class Welcome(WireStruct):
     """The trainer accepts a peer. credits: messages the peer may have in flight toward the trainer
     (each Credit message returns some); heartbeat_interval_s / peer_timeout_s: liveness settings
     (seconds); notice_endpoint: where the PUB socket for notices is bound (same host for tcp).
@@ -118,74 +137,69 @@ class Welcome:
     peer_timeout_s=5.0, notice_endpoint="tcp://127.0.0.1:5556", max_message_bytes=268435456)
     """
 
-    run_id: str = wire(max_len=128)
-    policy_version: int = wire(ge=0)
-    credits: int = wire(ge=1, le=1 << 20)
-    heartbeat_interval_s: float = wire(ge=0.001, le=3600.0)
-    peer_timeout_s: float = wire(ge=0.001, le=86400.0)
-    notice_endpoint: str = wire(default="", max_len=1024)
-    max_message_bytes: int = wire(default=1 << 30, ge=1)
-    drafter_version: int = wire(default=0, ge=0)
+    run_id: Name
+    policy_version: UInt
+    credits: Annotated[int, Meta(ge=1, le=1 << 20)]
+    heartbeat_interval_s: Annotated[float, Meta(ge=0.001, le=3600.0)]
+    peer_timeout_s: Annotated[float, Meta(ge=0.001, le=86400.0)]
+    notice_endpoint: Annotated[str, Meta(max_length=1024)] = ""
+    max_message_bytes: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 1 << 30
+    drafter_version: UInt = 0
 
 
 @message(3)
-@dataclass(frozen=True, kw_only=True)
-class Reject:
+class Reject(WireStruct):
     """The trainer refuses a Hello (wrong protocol version, duplicate name, ...). The peer should exit.
 
     Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 1")
     """
 
-    code: int = wire(ge=0, le=65535)
-    text: str = wire(max_len=4096)
+    code: Code
+    text: LongText
 
 
 # ---------------------------------------------------------------------------------------- work
 
 
 @message(10)
-@dataclass(frozen=True, kw_only=True)
-class WorkRequest:
+class WorkRequest(WireStruct):
     """A generator asks for up to `capacity` samples of work (pull-based admission).
 
     Example: WorkRequest(capacity=16, policy_version=3)
     """
 
-    capacity: int = wire(ge=0, le=1 << 20)
-    policy_version: int = wire(ge=0)  # weights the generator holds now
+    capacity: Annotated[int, Meta(ge=0, le=1 << 20)]
+    policy_version: UInt  # weights the generator holds now
 
 
 @message(11)
-@dataclass(frozen=True, kw_only=True)
-class Work:
+class Work(WireStruct):
     """Work for a generator: zero or more items. An empty list means "none now" (staleness gate closed
     or prompts exhausted); `exhausted` is True when no more work will ever come.
 
     Example: Work(items=[WorkItem(group_id=1, prompt_token_ids=[1, 2], num_samples=4)], exhausted=False)
     """
 
-    items: list[WorkItem] = wire(max_len=4096)
-    exhausted: bool = wire(default=False)
+    items: Annotated[list[WorkItem], Meta(max_length=4096)]
+    exhausted: bool = False
 
 
 @message(12)
-@dataclass(frozen=True, kw_only=True)
-class Cancel:
+class Cancel(WireStruct):
     """Stop sampling these groups; running samples end with finish_reason "cancelled".
 
     Example: Cancel(group_ids=[12, 13], reason="run stopping")
     """
 
-    group_ids: list[int] = wire(ge=0, max_len=1 << 16)
-    reason: str = wire(default="", max_len=1024)
+    group_ids: Annotated[list[UInt], Meta(max_length=1 << 16)]
+    reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
 # ---------------------------------------------------------------------------------------- rollouts
 
 
 @message(20)
-@dataclass(frozen=True, kw_only=True)
-class Rollout:
+class Rollout(WireStruct):
     """One finished sample, streamed as soon as it ends.
 
     prompt_token_ids / completion_token_ids: int32 [P] / [T]. behaviour_logprobs: float32 [T], the
@@ -199,18 +213,18 @@ class Rollout:
     finish_reason="stop", queue_s=0.01, decode_s=0.2, finished_wall_s=1795000000.0)
     """
 
-    group_id: int = wire(ge=0)
-    sample_id: int = wire(ge=0, le=1 << 20)
-    prompt_token_ids: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
-    completion_token_ids: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
-    behaviour_logprobs: Array = wire(dtypes=("float32",), ndim=1, max_len=MAX_TOKENS)
-    policy_versions: Array = wire(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)
-    min_policy_version: int = wire(ge=0)
-    max_policy_version: int = wire(ge=0)
-    finish_reason: str = wire(choices=FINISH_REASONS)
-    queue_s: float = wire(default=0.0, ge=0.0)
-    decode_s: float = wire(default=0.0, ge=0.0)
-    finished_wall_s: float = wire(default=0.0, ge=0.0)
+    group_id: UInt
+    sample_id: Annotated[int, Meta(ge=0, le=1 << 20)]
+    prompt_token_ids: IntTokens
+    completion_token_ids: IntTokens
+    behaviour_logprobs: Annotated[Array, TensorSpec(dtypes=("float32",), ndim=1, max_len=MAX_TOKENS)]
+    policy_versions: IntTokens
+    min_policy_version: UInt
+    max_policy_version: UInt
+    finish_reason: Literal[FINISH_REASONS]
+    queue_s: Seconds = 0.0
+    decode_s: Seconds = 0.0
+    finished_wall_s: Seconds = 0.0
 
     def __post_init__(self):
         num = self.completion_token_ids.shape[0]
@@ -227,8 +241,7 @@ class Rollout:
 
 
 @message(30)
-@dataclass(frozen=True, kw_only=True)
-class ScoreRequest:
+class ScoreRequest(WireStruct):
     """Score one completion. request_id is unique per reward server connection and echoed back.
     metadata carries task data such as the reference answer.
 
@@ -236,47 +249,44 @@ class ScoreRequest:
     metadata={"answer": "abc"}, timeout_s=10.0)
     """
 
-    request_id: int = wire(ge=0)
-    task: str = wire(max_len=256)
-    prompt: str = wire(max_len=1 << 24)
-    completion: str = wire(max_len=1 << 24)
-    metadata: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
-    timeout_s: float = wire(default=60.0, ge=0.0, le=86400.0)
+    request_id: UInt
+    task: Annotated[str, Meta(max_length=256)]
+    prompt: Annotated[str, Meta(max_length=1 << 24)]
+    completion: Annotated[str, Meta(max_length=1 << 24)]
+    metadata: Annotated[dict[Key, Scalar], Meta(max_length=256)] = field(default_factory=dict)
+    timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 60.0
 
 
 @message(31)
-@dataclass(frozen=True, kw_only=True)
-class Score:
+class Score(WireStruct):
     """The reward for one ScoreRequest. details: optional named components (logged, not trained on).
 
     Example: Score(request_id=77, reward=1.0, details={"exact": 1.0})
     """
 
-    request_id: int = wire(ge=0)
-    reward: float = wire()
-    details: dict[str, float] = wire(default_factory=dict, max_len=256)
+    request_id: UInt
+    reward: float
+    details: Annotated[dict[Key, float], Meta(max_length=256)] = field(default_factory=dict)
 
 
 @message(32)
-@dataclass(frozen=True, kw_only=True)
-class ScoreError:
+class ScoreError(WireStruct):
     """A ScoreRequest could not be scored (the function raised, returned NaN, or timed out). The
     trainer may retry elsewhere or count the sample as discarded with this reason.
 
     Example: ScoreError(request_id=77, code=504, text="score function timed out after 10.0 s")
     """
 
-    request_id: int = wire(ge=0)
-    code: int = wire(ge=0, le=65535)
-    text: str = wire(max_len=4096)
+    request_id: UInt
+    code: Code
+    text: LongText
 
 
 # ---------------------------------------------------------------------------------------- weights
 
 
 @message(40)
-@dataclass(frozen=True, kw_only=True)
-class WeightsNotice:
+class WeightsNotice(WireStruct):
     """Version `version` of `model` ("policy" or "drafter") can be fetched in `num_chunks` chunks.
     Published on the notice socket and sent directly to generators. A generator also sends it to the
     trainer for a drafter it trained (model "drafter"); the trainer then fetches that version from it and
@@ -285,16 +295,15 @@ class WeightsNotice:
     Example: WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184)
     """
 
-    model: str = wire(choices=MODELS)
-    version: int = wire(ge=0)
-    num_chunks: int = wire(ge=0, le=1 << 20)
-    num_tensors: int = wire(ge=0)
-    total_bytes: int = wire(ge=0)
+    model: Model
+    version: UInt
+    num_chunks: Annotated[int, Meta(ge=0, le=1 << 20)]
+    num_tensors: UInt
+    total_bytes: UInt
 
 
 @message(41)
-@dataclass(frozen=True, kw_only=True)
-class WeightsFetch:
+class WeightsFetch(WireStruct):
     """Ask for one chunk of a weights version. Answered by WeightsChunk, or Error when the version is
     no longer served (fetch the newer one announced instead). Generators send it to the trainer; the
     trainer sends it (model "drafter") to the generator that announced a drafter.
@@ -302,33 +311,31 @@ class WeightsFetch:
     Example: WeightsFetch(model="policy", version=5, chunk_index=0)
     """
 
-    model: str = wire(choices=MODELS)
-    version: int = wire(ge=0)
-    chunk_index: int = wire(ge=0)
+    model: Model
+    version: UInt
+    chunk_index: UInt
 
 
 @message(42)
-@dataclass(frozen=True, kw_only=True)
-class WeightsChunk:
+class WeightsChunk(WireStruct):
     """Some named tensors of one weights version (parameter name -> tensor, any dtype and shape).
 
     Example: WeightsChunk(model="policy", version=5, chunk_index=0, num_chunks=3,
     tensors={"model.embed_tokens.weight": float32[512, 64]})
     """
 
-    model: str = wire(choices=MODELS)
-    version: int = wire(ge=0)
-    chunk_index: int = wire(ge=0)
-    num_chunks: int = wire(ge=1)
-    tensors: dict[str, Array] = wire(max_len=1 << 16)
+    model: Model
+    version: UInt
+    chunk_index: UInt
+    num_chunks: Annotated[int, Meta(ge=1, le=INT64_MAX)]
+    tensors: Annotated[dict[Key, Array], Meta(max_length=1 << 16)]
 
 
 # ---------------------------------------------------------------------------------------- telemetry
 
 
 @message(50)
-@dataclass(frozen=True, kw_only=True)
-class Stats:
+class Stats(WireStruct):
     """A snapshot of one process, sent every few seconds and republished to tools on the notice socket.
 
     state: one of STATES. counters: metric name (role/group/name) -> value. wall_s: Unix epoch seconds.
@@ -338,77 +345,72 @@ class Stats:
     wall_s=1795000000.0)
     """
 
-    role: str = wire(choices=ROLES)
-    name: str = wire(max_len=128)
-    state: str = wire(choices=STATES)
-    policy_version: int = wire(ge=0)
-    counters: dict[str, float] = wire(default_factory=dict, max_len=1024)
-    wall_s: float = wire(default=0.0, ge=0.0)
+    role: Role
+    name: Name
+    state: Literal[STATES]
+    policy_version: UInt
+    counters: Annotated[dict[Key, float], Meta(max_length=1024)] = field(default_factory=dict)
+    wall_s: Seconds = 0.0
 
 
 @message(51)
-@dataclass(frozen=True, kw_only=True)
-class Event:
+class Event(WireStruct):
     """Something that happened (peer joined, died, weights published, sample discarded, ...).
 
     Example: Event(role="trainer", name="trainer", event="peer_dead", text="gen-1 missed 5 heartbeats",
     fields={"peer": "gen-1"}, wall_s=1795000000.0)
     """
 
-    role: str = wire(choices=ROLES)
-    name: str = wire(max_len=128)
-    event: str = wire(max_len=128)
-    text: str = wire(default="", max_len=1 << 16)
-    fields: dict[str, Scalar] = wire(default_factory=dict, max_len=256)
-    wall_s: float = wire(default=0.0, ge=0.0)
+    role: Role
+    name: Name
+    event: Name
+    text: Annotated[str, Meta(max_length=1 << 16)] = ""
+    fields: Annotated[dict[Key, Scalar], Meta(max_length=256)] = field(default_factory=dict)
+    wall_s: Seconds = 0.0
 
 
 # ---------------------------------------------------------------------------------------- control
 
 
 @message(60)
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
+class Heartbeat(WireStruct):
     """Liveness, both directions, every heartbeat_interval_s. Any message also counts as a sign of life.
 
     Example: Heartbeat(seq=41, wall_s=1795000000.0)
     """
 
-    seq: int = wire(ge=0)
-    wall_s: float = wire(default=0.0, ge=0.0)
+    seq: UInt
+    wall_s: Seconds = 0.0
 
 
 @message(61)
-@dataclass(frozen=True, kw_only=True)
-class Shutdown:
+class Shutdown(WireStruct):
     """The sender is stopping (trainer: the run ends, peers should exit; peer: it is leaving).
 
     Example: Shutdown(reason="run finished")
     """
 
-    reason: str = wire(default="", max_len=4096)
+    reason: LongText = ""
 
 
 @message(62)
-@dataclass(frozen=True, kw_only=True)
-class Error:
+class Error(WireStruct):
     """The receiver could not handle a message. code: see ErrorCode. ref_kind: kind of the offending
     message (0 when unknown).
 
     Example: Error(code=401, text="Rollout.sample_id: expected int, got str", ref_kind=20)
     """
 
-    code: int = wire(ge=0, le=65535)
-    text: str = wire(max_len=4096)
-    ref_kind: int = wire(default=0, ge=0, le=255)
+    code: Code
+    text: LongText
+    ref_kind: Annotated[int, Meta(ge=0, le=255)] = 0
 
 
 @message(63)
-@dataclass(frozen=True, kw_only=True)
-class Credit:
+class Credit(WireStruct):
     """Grants `credits` more messages in flight toward the sender (see flow control in SPEC.md).
 
     Example: Credit(credits=8)
     """
 
-    credits: int = wire(ge=1, le=1 << 20)
+    credits: Annotated[int, Meta(ge=1, le=1 << 20)]

@@ -6,9 +6,11 @@ Run: pytest tests/protocol/test_codec.py
 import ast
 import importlib
 import math
+import time
 from pathlib import Path
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     Heartbeat,
+    Hello,
     Rollout,
     Score,
     ScoreRequest,
@@ -87,7 +90,7 @@ def test_encode_errors_name_the_field():
     with pytest.raises(TypeError, match=r"Score\.details"):
         encode(Score(request_id=1, reward=1.0, details={"x": object()}))
     with pytest.raises(TypeError, match=r"Rollout\.prompt_token_ids.*torch.Tensor or numpy"):
-        encode(Rollout(**{**rollout().__dict__, "prompt_token_ids": _Shaped()}))
+        encode(Rollout(**{**msgspec.structs.asdict(rollout()), "prompt_token_ids": _Shaped()}))
     with pytest.raises(TypeError, match="not a registered message"):
         encode(object())
 
@@ -224,7 +227,7 @@ def raw(cls, values, *extra):
 def rollout_values(**changes):
     msg = rollout()
     values = msgpack.unpackb(encode(msg)[1])
-    names = [f[0] for f in Rollout.__wire_fields__]
+    names = Rollout.__struct_fields__
     for name, value in changes.items():
         values[names.index(name)] = value
     return values
@@ -371,11 +374,31 @@ def test_peek_header_reads_only_frame_zero():
         assert info.value.code == ErrorCode.BAD_FRAME
 
 
+def test_huge_counts_are_refused_before_allocation():
+    """12 million empty arrays (about 12 MB, inside the body limit) cost a schema-less decoder seconds
+    and a gigabyte; against the schema they are refused at the first array that is too long or mistyped,
+    whether they are the body, a field's list or a map's value."""
+    many = msgpack.packb([[]] * 12_000_000)
+    templates = [(cls, None) for cls in (Heartbeat, Hello, Rollout, ScoreRequest, Work, WeightsChunk)]
+    templates += [(ScoreRequest, [1, "t", "p", "c", {"a": None}]), (Work, [[[1, None, 2]]]),
+                  (WeightsChunk, ["policy", 1, 0, 1, {"t": ["int8", None, b""]}])]
+    limits = Limits(max_body_bytes=16 << 20)
+    for cls, template in templates:
+        frames = [header(cls), msgpack.packb(template).replace(b"\xc0", many, 1)]  # the one nil: the arrays
+        start = time.perf_counter()
+        with pytest.raises(ProtocolError) as info:
+            decode(frames, limits)
+        elapsed_s = time.perf_counter() - start
+        assert info.value.code == ErrorCode.BAD_FIELD and info.value.kind == cls.__name__, str(info.value)
+        assert elapsed_s < 0.05, f"{cls.__name__}: refused after {elapsed_s * 1e3:.0f} ms: {info.value}"
+
+
 # ---------------------------------------------------------------------------------------- safety
 
 
 def test_codec_never_pickles():
     for module in (codec, importlib.import_module("tailrace.protocol.schema"),
+                   importlib.import_module("tailrace.protocol._forms"),
                    importlib.import_module("tailrace.protocol.messages")):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
@@ -384,3 +407,4 @@ def test_codec_never_pickles():
         assert not imported & {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}, module
         source = Path(module.__file__).read_text()
         assert "torch.load" not in source and "allow_pickle" not in source
+        assert "exec(" not in source and "eval(" not in source, module  # no generated code

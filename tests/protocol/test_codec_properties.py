@@ -3,11 +3,12 @@ own bounds, round trip equal; mutated or random frames never raise anything but 
 Run: pytest tests/protocol/test_codec_properties.py
 """
 
-import dataclasses
 import types
 import typing
+from typing import Literal
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,16 @@ from wire_examples import assert_same, examples, rollout
 
 from tailrace.protocol.codec import ProtocolError, decode, encode
 from tailrace.protocol.messages import Rollout
-from tailrace.protocol.schema import DEFAULT_MAX_STR, INT64_MAX, INT64_MIN, MESSAGE_CLASSES, Array, Scalar
+from tailrace.protocol.schema import (
+    INT64_MAX,
+    INT64_MIN,
+    MESSAGE_CLASSES,
+    Array,
+    Scalar,
+    hints,
+    is_struct,
+    split,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -50,31 +60,33 @@ def tensors(draw, dtypes=None, ndim=None, length=None):
     return value
 
 
-def strategy(tp, meta):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    lo, hi, max_len, choices = meta["ge"], meta["le"], meta["max_len"], meta["choices"]
+def strategy(tp):
     if tp == Scalar:
         return st.one_of(st.none(), st.booleans(), st.integers(INT64_MIN, INT64_MAX), st.floats(),
                          st.text(max_size=20))
+    tp, bounds, spec = split(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    lo, hi, max_len = bounds.get("ge"), bounds.get("le"), bounds.get("max_length")
     if origin in (types.UnionType, typing.Union):
         inner = next(a for a in args if a is not type(None))
-        return st.one_of(st.none(), strategy(inner, meta))
+        return st.one_of(st.none(), strategy(inner))
+    if origin is Literal:
+        return st.sampled_from(args)
     if tp is bool:
         return st.booleans()
     if tp is int:
-        return st.integers(INT64_MIN if lo is None else lo, INT64_MAX if hi is None else hi)
+        return st.integers(lo, hi)
     if tp is float:
         return st.floats(min_value=lo, max_value=hi, allow_nan=lo is None and hi is None)
     if tp is str:
-        return st.sampled_from(choices) if choices else st.text(max_size=min(max_len or DEFAULT_MAX_STR, 30))
+        return st.text(max_size=min(max_len, 30))
     if tp is Array:
-        return tensors(meta["dtypes"], meta["ndim"])
+        return tensors(spec and spec.dtypes, spec and spec.ndim)
     if origin is list:
-        return st.lists(strategy(args[0], dict(meta, max_len=None)), max_size=min(max_len or 5, 5))
+        return st.lists(strategy(args[0]), max_size=min(max_len, 5))
     if origin is dict:
-        return st.dictionaries(st.text(max_size=12), strategy(args[1], dict(meta, max_len=None)),
-                               max_size=min(max_len or 4, 4))
-    if dataclasses.is_dataclass(tp):
+        return st.dictionaries(st.text(max_size=12), strategy(args[1]), max_size=min(max_len, 4))
+    if is_struct(tp):
         return messages(tp)
     raise TypeError(tp)
 
@@ -83,7 +95,7 @@ def strategy(tp, meta):
 def rollouts(draw):
     length = draw(st.sampled_from([0, 1, 5, 300]))
     int_dtypes = ("int32", "int64")
-    fields = {name: draw(strategy(tp, meta)) for name, tp, meta in Rollout.__wire_fields__}
+    fields = {name: draw(strategy(tp)) for name, tp in hints(Rollout).items()}
     fields["completion_token_ids"] = draw(tensors(int_dtypes, length=length))
     fields["behaviour_logprobs"] = draw(tensors(("float32",), length=length))
     fields["policy_versions"] = draw(tensors(int_dtypes, length=length))
@@ -95,7 +107,7 @@ def rollouts(draw):
 def messages(cls):
     if cls is Rollout:
         return rollouts()
-    return st.builds(cls, **{name: strategy(tp, meta) for name, tp, meta in cls.__wire_fields__})
+    return st.builds(cls, **{name: strategy(tp) for name, tp in hints(cls).items()})
 
 
 any_message = st.sampled_from(sorted(MESSAGE_CLASSES.values(), key=lambda c: c.KIND)).flatmap(messages)
@@ -197,6 +209,6 @@ def test_random_frames_raise_only_protocol_error(frames):
 
 def test_numpy_and_torch_inputs_decode_alike():
     value = np.arange(12, dtype=np.int32)
-    a = encode(Rollout(**{**rollout().__dict__, "prompt_token_ids": value}))
-    b = encode(Rollout(**{**rollout().__dict__, "prompt_token_ids": torch.from_numpy(value)}))
+    a = encode(Rollout(**{**msgspec.structs.asdict(rollout()), "prompt_token_ids": value}))
+    b = encode(Rollout(**{**msgspec.structs.asdict(rollout()), "prompt_token_ids": torch.from_numpy(value)}))
     assert a[1] == b[1]

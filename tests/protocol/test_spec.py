@@ -6,21 +6,19 @@ Run: pytest tests/protocol/test_spec.py
 Regenerate the "Messages" section after changing messages.py: python tests/protocol/test_spec.py --write
 """
 
-import dataclasses
 import inspect
 import re
 import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from tailrace.protocol.codec import decode, encode
 from tailrace.protocol.messages import ErrorCode, Score, ScoreRequest
 from tailrace.protocol.schema import (
-    DEFAULT_MAX_LIST,
-    DEFAULT_MAX_MAP,
-    DEFAULT_MAX_STR,
     DTYPES,
     INT64_MAX,
     INT64_MIN,
@@ -28,6 +26,9 @@ from tailrace.protocol.schema import (
     STRUCT_CLASSES,
     Array,
     Scalar,
+    hints,
+    is_struct,
+    split,
 )
 
 SPEC = Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md"
@@ -43,11 +44,14 @@ WORKED_REPLY = Score(request_id=77, reward=1.0, details={"exact": 1.0})
 def describe_type(tp: Any) -> str:
     """The wire type of a field as written in protocol/SPEC.md's message tables, e.g. `int`,
     `array<int>`, `map<str, float>`, `tensor`, `SamplingParams`, `int | nil`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp == Scalar:
         return "scalar"
+    tp = split(tp)[0]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
         return " | ".join("nil" if a is type(None) else describe_type(a) for a in args)
+    if origin is Literal:
+        return "str"
     if tp is Array:
         return "tensor"
     if tp is bytes:
@@ -58,44 +62,50 @@ def describe_type(tp: Any) -> str:
         return f"array<{describe_type(args[0])}>"
     if origin is dict:
         return f"map<{describe_type(args[0])}, {describe_type(args[1])}>"
-    if dataclasses.is_dataclass(tp):
+    if is_struct(tp):
         return tp.__name__
     raise TypeError(f"no wire name for {tp!r}")
 
 
-def describe_bounds(tp: Any, meta: dict) -> str:
-    """The bounds of a field as written in protocol/SPEC.md's message tables."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (types.UnionType, typing.Union) and tp != Scalar:
-        return describe_bounds(next(a for a in args if a is not type(None)), meta)
+def describe_bounds(tp: Any) -> str:
+    """The bounds of a field as written in protocol/SPEC.md's message tables. Every int, str, array and
+    map must declare its bounds (msgspec checks them before it allocates): a missing one is an error."""
+    if tp == Scalar:
+        return ""
+    base, bounds, spec = split(tp)
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if origin in (types.UnionType, typing.Union):
+        return describe_bounds(next(a for a in args if a is not type(None)))
+    if origin in (list, dict) or base in (int, str):
+        missing = {"ge", "le"} - set(bounds) if base is int else {"max_length"} - set(bounds)
+        assert not missing, f"{tp!r} declares no {missing}"
     if origin is list:
-        inner = describe_bounds(args[0], dict(meta, max_len=None))
-        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_LIST)} elements"
+        inner = describe_bounds(args[0])
+        count = f"<= {_num(bounds['max_length'])} elements"
         return f"{count}; each {inner}" if inner else count
     if origin is dict:
-        inner = describe_bounds(args[1], dict(meta, max_len=None))
-        count = f"<= {_num(meta['max_len'] or DEFAULT_MAX_MAP)} entries"
+        assert describe_bounds(args[0]) == "<= 1024 characters", "map keys are str of at most 1024 code points"
+        inner = describe_bounds(args[1])
+        count = f"<= {_num(bounds['max_length'])} entries"
         return f"{count}; each value {inner}" if inner else count
-    if tp is int:
-        lo = INT64_MIN if meta["ge"] is None else meta["ge"]
-        hi = INT64_MAX if meta["le"] is None else meta["le"]
-        return f"{_num(lo)}..{_num(hi)}"
-    if tp is float:
-        if meta["ge"] is None and meta["le"] is None:
+    if base is int:
+        return f"{_num(bounds['ge'])}..{_num(bounds['le'])}"
+    if base is float:
+        if "ge" not in bounds and "le" not in bounds:
             return ""
-        lo = "-inf" if meta["ge"] is None else _num(meta["ge"])
-        hi = "inf" if meta["le"] is None else _num(meta["le"])
+        lo = _num(bounds["ge"]) if "ge" in bounds else "-inf"
+        hi = _num(bounds["le"]) if "le" in bounds else "inf"
         return f"{lo}..{hi}, not NaN"
-    if tp in (str, bytes):
-        if meta["choices"]:
-            return "one of " + ", ".join(f'"{c}"' for c in meta["choices"])
-        return f"<= {_num(meta['max_len'] or DEFAULT_MAX_STR)} {'characters' if tp is str else 'bytes'}"
-    if tp is Array:
-        parts = [" or ".join(meta["dtypes"]) if meta["dtypes"] else "any dtype"]
-        if meta["ndim"] is not None:
-            parts.append(f"{meta['ndim']}-d")
-        if meta["max_len"] is not None:
-            parts.append(f"<= {_num(meta['max_len'])} elements")
+    if origin is Literal:
+        return "one of " + ", ".join(f'"{c}"' for c in args)
+    if base in (str, bytes):
+        return f"<= {_num(bounds['max_length'])} {'characters' if base is str else 'bytes'}"
+    if base is Array:
+        parts = [" or ".join(spec.dtypes) if spec and spec.dtypes else "any dtype"]
+        if spec and spec.ndim is not None:
+            parts.append(f"{spec.ndim}-d")
+        if spec and spec.max_len is not None:
+            parts.append(f"<= {_num(spec.max_len)} elements")
         return ", ".join(parts)
     return ""
 
@@ -121,11 +131,11 @@ def heading(cls: type) -> str:
     return f"### {cls.KIND} {cls.__name__}" if hasattr(cls, "KIND") else f"### {cls.__name__} (structure)"
 
 
-def default_text(f: dataclasses.Field) -> str:
-    if f.default_factory is not dataclasses.MISSING:
+def default_text(f: msgspec.structs.FieldInfo) -> str:
+    if f.default_factory is not msgspec.NODEFAULT:
         value = f.default_factory()
-        return f"{type(value).__name__} with its defaults" if dataclasses.is_dataclass(value) else repr(value)
-    if f.default is dataclasses.MISSING:
+        return f"{type(value).__name__} with its defaults" if isinstance(value, msgspec.Struct) else repr(value)
+    if f.required:
         return "required"
     if f.default is None or isinstance(f.default, bool):
         return {None: "nil", True: "true", False: "false"}[f.default]
@@ -133,10 +143,12 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def table_rows(cls: type) -> list[list[str]]:
-    fields = dataclasses.fields(cls)
-    return [[str(i), f"`{name}`", describe_type(tp),
-             describe_bounds(tp, meta) or ("see its table" if dataclasses.is_dataclass(tp) else "any"), default_text(f)]
-            for i, ((name, tp, meta), f) in enumerate(zip(cls.__wire_fields__, fields, strict=True))]
+    rows = []
+    for i, f in enumerate(msgspec.structs.fields(cls)):
+        tp = hints(cls)[f.name]
+        bounds = describe_bounds(tp) or ("see its table" if is_struct(split(tp)[0]) else "any")
+        rows.append([str(i), f"`{f.name}`", describe_type(tp), bounds, default_text(f)])
+    return rows
 
 
 CROSS_FIELD_CHECKS = {

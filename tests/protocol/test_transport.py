@@ -5,6 +5,7 @@ Run: pytest tests/protocol/test_transport.py
 
 import asyncio
 import random
+import sys
 import time
 import uuid
 
@@ -329,6 +330,41 @@ async def test_oversized_frame_disconnects_sender_without_reply(ctx):
         assert (reply.code, reply.ref_kind) == (ErrorCode.NOT_WELCOME, Heartbeat.KIND)
         assert server.counters[f"bad_input/{ErrorCode.TOO_LARGE}"] == 0  # never reached the decoder
         raw.close()
+
+
+def _rss_mb(key: str) -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(key)) / 1024
+
+
+SEND_BEFORE_HELLO = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+for _ in range(3):  # one at a time: ZeroMQ would otherwise buffer the next while the last waits
+    sock.send_multipart([b"TR\\x01\\x01", b"\\x00" * (50 << 20)], copy=False)
+    print(sock.recv_multipart()[0].hex() if sock.poll(20000) else "none", flush=True)
+"""
+
+
+async def test_large_message_before_hello_is_dropped_uncopied(ctx):
+    """A peer without a session may send only a small Hello: 50 MB frames from one (sent by another
+    process, so that only the server's memory counts here) are answered with Error 404 by their size
+    alone, never copied or parsed. The server's peak RSS grows by ZeroMQ's own buffer of one frame at
+    most (a copy and a parse would add as much again each), and does not stay grown."""
+    async with Server("tcp://127.0.0.1:0", run_id="r", context=ctx) as server:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # peak RSS := current RSS
+        before_mb = _rss_mb("VmRSS")
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", SEND_BEFORE_HELLO, server.address,
+                                                     stdout=asyncio.subprocess.PIPE)
+        out, _ = await asyncio.wait_for(child.communicate(), 25)
+        assert child.returncode == 0 and "none" not in out.decode() and len(out.split()) == 3, out
+        assert server.counters["dropped/too_large_before_hello"] == 3
+        assert server.counters["bad_input"] == 0  # never reached the decoder
+        peak_growth_mb, growth_mb = _rss_mb("VmHWM") - before_mb, _rss_mb("VmRSS") - before_mb
+        assert peak_growth_mb < 75, f"peak RSS grew by {peak_growth_mb:.0f} MB for 50 MB frames"
+        assert growth_mb < 20, f"RSS stayed {growth_mb:.0f} MB higher"
 
 
 async def test_flood_without_credit_is_dropped_and_bounded(ctx, address):

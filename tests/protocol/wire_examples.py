@@ -6,9 +6,9 @@ Shared by the codec tests (tests/protocol/test_codec*.py). A new message kind wi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import msgspec
 import numpy as np
 import torch
 
@@ -110,10 +110,10 @@ def assert_same(a, b, path: str = "msg") -> None:
         assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)), f"{path}: {a.dtype}{tuple(a.shape)} " \
                                                                        f"!= {b.dtype}{tuple(b.shape)}"
         assert tensor_bytes(a.detach().cpu()) == tensor_bytes(b), f"{path}: tensor bytes differ"
-    elif dataclasses.is_dataclass(a):
+    elif isinstance(a, msgspec.Struct):
         assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-        for f in dataclasses.fields(a):
-            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+        for name in a.__struct_fields__:
+            assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
     elif isinstance(a, list):
         assert isinstance(b, list) and len(a) == len(b), f"{path}: {a!r} != {b!r}"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
