@@ -6,7 +6,7 @@
 Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
 tools/benches/, listed in BENCHES below (imported only when chosen, so one benchmark's heavy imports never
 slow another). It logs human-readable progress through `log` and returns its named figures, including
-the baseline it measured in the same run and the ratio (DESIGN.md, invariant 6). With --json the last
+the baseline it measured in the same run and the ratio (every benchmark compares in one run). With --json the last
 line printed is that dict as one JSON object, with "bench" set to NAME. --quick finishes in under a
 minute on 2 CPU cores.
 

@@ -36,6 +36,14 @@ def _metrics_steps(run_dir):
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+def _wait_for_steps(proc, run_dir, steps, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while _metrics_steps(run_dir) < steps:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(280)
 def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     run_dir = tmp_path / "runs" / "cc"
@@ -43,11 +51,7 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
               "--launch.num_generators", "1", "--trainer.stats_interval_s", "0.3"]
     proc = _run(tmp_path, *common, "--train.steps", "1000")
     try:
-        deadline = time.monotonic() + 180
-        while _metrics_steps(run_dir) < 3:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.2)
+        _wait_for_steps(proc, run_dir, 3)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C does
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -117,11 +121,7 @@ def test_kill_9_of_the_trainer_then_resume_accounts_exactly(tmp_path):
               "--launch.num_generators", "1", "--checkpoint.every_steps", "2", "--checkpoint.keep", "5"]
     proc = _run(tmp_path, *common, "--train.steps", "1000")
     try:
-        deadline = time.monotonic() + 180
-        while _metrics_steps(run_dir) < 5:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
+        _wait_for_steps(proc, run_dir, 5)
         trainer_pid = json.loads((run_dir / "endpoint.json").read_text())["pid"]
         os.kill(trainer_pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)

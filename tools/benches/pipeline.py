@@ -57,7 +57,7 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     "stream": (1, False, ()),
     "modelled_sync": (0, True, ()),
     "modelled_stream": (1, True, ()),
-    # speculation (issue 5): from a drafter trained before the runs, and from an untrained one
+    # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
     "stream+spec_cold": (1, False, ("--generator.speculation", "true")),
 }
