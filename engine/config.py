@@ -68,7 +68,7 @@ class ControllerConfig:
     max_staleness: int = 1  # policy versions a sample may lag the trained policy; 0 = on-policy
     max_groups_in_flight: int = 0  # 0 = derived: (max_staleness + 1) * train.groups_per_step
     lease_s: float = 0.0  # how long a generator may hold a sample; 0 = derived: max(30 s, 4 x sampling.max_new_tokens x its measured s/token)
-    stall_warn_s: float = 5.0  # the trainer says what blocks it after waiting this long for a batch
+    stall_warn_s: float = 10.0  # the trainer says what blocks it after this long with no progress (no rollout, no step)
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "controller.max_staleness", "must be >= 0")

@@ -121,6 +121,7 @@ class TrainerService:
         self.scoring: set[asyncio.Task] = set()
         self.started_s = time.monotonic()
         self.waiting_since_s: float | None = None  # when the train loop began waiting for a batch
+        self.progress_s = time.monotonic()  # last sign of life: a peer joined, a rollout, a score, a step
         self.stall_said: tuple[str, float] = ("", 0.0)  # (what, when) the watchdog last said
         self.s_per_token: dict[str, float] = {}  # generator -> measured seconds per completion token (EMA)
         self.train_busy_s = 0.0
@@ -205,6 +206,7 @@ class TrainerService:
                 continue
             self.waiting_since_s = None
             await self.train_step(batch)
+            self.progress_s = time.monotonic()
         if self.learner.step_count >= total:
             self.stop_reason = self.stop_reason or f"reached train.steps = {total}"
 
@@ -267,6 +269,7 @@ class TrainerService:
 
     async def on_peer_event(self, peer: Any) -> None:
         event = peer.event
+        self.progress_s = time.monotonic()
         if event == "joined":
             await self.server.publish(self.event("peer_joined", f"{peer.role} {peer.name} joined",
                                                  peer=peer.name, role=peer.role))
@@ -336,6 +339,7 @@ class TrainerService:
         group = self.controller.groups[msg.group_id]
         problem = rollout_problem(group, msg, self.vocab_size)
         handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
+        self.progress_s = time.monotonic()
         if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
             per_token = (time.monotonic() - handed_out_s) / msg.completion_token_ids.shape[0]
             last = self.s_per_token.get(peer.name)
@@ -365,6 +369,7 @@ class TrainerService:
             self.counters[f"discarded/{exc.reason}"] += 1
         else:
             self.controller.on_scored(msg.group_id, msg.sample_id, sample)
+        self.progress_s = time.monotonic()
         self.changed.set()
 
     async def on_weights_fetch(self, peer: Any, msg: m.WeightsFetch) -> None:

@@ -2,7 +2,8 @@
 
     every second   controller.expire_leases(now): samples held past their lease are re-queued for
                    another generator ("lease_expired"); their late results are dropped
-    after controller.stall_warn_s of waiting for a batch
+    after controller.stall_warn_s of waiting for a batch with no sign of life (no peer joined, no
+                   rollout came in, no step trained)
                    diagnose() names what blocks progress, most specific first: completions waiting for a
                    reward server of a task, no generator connected, samples held by a generator (and when
                    its lease ends), every generator parked; said on the log, as Event "stall" on the
@@ -46,7 +47,7 @@ class Situation:
 
 def diagnose(s: Situation) -> str:
     """One line that says what the trainer waits for."""
-    waiting = f"no step for {s.waiting_s:.0f} s"
+    waiting = f"no progress for {s.waiting_s:.0f} s"
     tasks = {task: n for task, n in s.reward_waiting.items() if n > 0}
     if tasks:
         named = ", ".join(f"{task!r} ({n} completions)" for task, n in sorted(tasks.items()))
@@ -80,7 +81,7 @@ def situation(service: Any, now: float) -> Situation:
     next_lease = ctrl.next_lease_end()
     generators = [p.name for p in service.server.peers.values() if p.role == "generator"]
     return Situation(
-        waiting_s=now - (service.waiting_since_s or now),
+        waiting_s=now - max(service.waiting_since_s or now, service.progress_s),
         reward_waiting=dict(service.rewards.waiting) if service.rewards else {},
         wait_for_server_s=service.cfg.reward.wait_for_server_s, generators=generators,
         parked=len(service.parked), held=dict(held),
@@ -110,7 +111,8 @@ async def watch(service: Any, interval_s: float = 1.0) -> None:
                 await service.server.publish(service.event("stall_over", "training resumed"))
                 said = ""
             continue
-        if now - waiting_since < service.cfg.controller.stall_warn_s:
+        # A stall is waiting with no sign of life: rollouts still streaming in are progress, not a stall.
+        if now - max(waiting_since, service.progress_s) < service.cfg.controller.stall_warn_s:
             continue
         text = diagnose(situation(service, now))
         cause = text.split(": ", 1)[-1]
