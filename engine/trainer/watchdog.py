@@ -26,6 +26,7 @@ from typing import Any
 log = logging.getLogger("tailrace.trainer")
 
 STALL_REPEAT_S = 15.0  # a stall that goes on is said again this often
+STARTUP_GRACE_S = 30.0  # "no generator connected" is said only this long after the trainer started
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,10 @@ async def watch(service: Any, interval_s: float = 1.0) -> None:
         # A stall is waiting with no sign of life: rollouts still streaming in are progress, not a stall.
         if now - max(waiting_since, service.progress_s) < service.cfg.controller.stall_warn_s:
             continue
-        text = diagnose(situation(service, now))
+        seen = situation(service, now)
+        if not seen.generators and now - service.started_s < STARTUP_GRACE_S:
+            continue  # generators load their model first; an empty room this early is not yet a stall
+        text = diagnose(seen)
         cause = text.split(": ", 1)[-1]
         if cause.split(" (")[0] != said.split(" (")[0] or now - said_at >= STALL_REPEAT_S:
             log.warning("stalled: %s", text)
