@@ -1,0 +1,71 @@
+"""Model-free drafts from siblings: suffix matching over the group's prompt and completions.
+
+In GRPO every prompt is sampled G times, and the samples of a group repeat each other's text (and the
+prompt's). A SuffixIndex per group maps every n-gram (n = 1 .. max_ngram) of the group's sequences to
+where it was seen last; to draft for a row, the longest n-gram ending its context that was seen before
+proposes the tokens that followed it there. No forward pass: a draft costs a few dict lookups.
+
+The draft is a point mass, so the lossless rule of speculative.accept_drafts applies unchanged with
+q = one-hot(draft): the draft d is kept with probability p(d), and at a rejection the next token is
+drawn from normalise(max(0, p - one_hot(d))) — i.e. from p without d. point_mass_logprobs builds that q.
+Test: pytest tests/engine/test_suffix.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SuffixIndex:
+    """n-grams of a group's token sequences -> (sequence, position after the n-gram), latest wins.
+
+    Sequences are added whole (the prompt) or grown token by token (completions while they decode);
+    memory is bounded by max_ngram entries per token seen."""
+
+    def __init__(self, max_ngram: int = 4):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.seqs: list[list[int]] = []
+        self._where: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def add(self, tokens: Sequence[int]) -> int:
+        """A new sequence; returns its id, for extend()."""
+        self.seqs.append([])
+        seq_id = len(self.seqs) - 1
+        self.extend(seq_id, tokens)
+        return seq_id
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        seq = self.seqs[seq_id]
+        for token in tokens:
+            seq.append(int(token))
+            end = len(seq)
+            # The n-grams ending at the previous token now have a continuation: this one.
+            for n in range(1, min(self.max_ngram, end - 1) + 1):
+                self._where[tuple(seq[end - 1 - n:end - 1])] = (seq_id, end - 1)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix of `context` seen in the index. An n-gram is
+        indexed only once a token follows it, so a row's own last n-gram never matches itself."""
+        for n in range(min(self.max_ngram, len(context)), 0, -1):
+            hit = self._where.get(tuple(int(t) for t in context[-n:]))
+            if hit is not None:
+                seq_id, pos = hit
+                return self.seqs[seq_id][pos:pos + k]
+        return []
+
+
+def point_mass_logprobs(drafts_BK: torch.Tensor, vocab_size: int, dtype=torch.float32) -> torch.Tensor:
+    """log q [B, k, V] of drafts that are certain: 0 at the draft, -inf elsewhere."""
+    q_BKV = torch.full((*drafts_BK.shape, vocab_size), float("-inf"), dtype=dtype, device=drafts_BK.device)
+    return q_BKV.scatter_(-1, drafts_BK[..., None], 0.0)
+
+
+def pad_drafts(proposals: list[list[int]], k: int, fallback: Sequence[int]) -> torch.Tensor:
+    """[B, k] drafts: each row's proposal, filled up with its fallback token (any token keeps the rule
+    lossless; a poor one is merely rejected)."""
+    rows = [(p + [int(fallback[i])] * k)[:k] for i, p in enumerate(proposals)]
+    return torch.tensor(rows, dtype=torch.long)
