@@ -204,6 +204,21 @@ class LaunchConfig:
                f"{self.on_child_crash!r} is not one of stop, restart")
 
 
+SINKS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    sinks: tuple[str, ...] = ("jsonl",)  # where the trainer's metrics go: jsonl (runs/<name>/metrics.jsonl), tensorboard (runs/<name>/tensorboard), wandb
+    spans: bool = True  # every process records what it does as spans: runs/<name>/trace.jsonl, tools/timeline.py
+    wandb_project: str = "tailrace"  # with wandb: the W&B project (WANDB_MODE=offline writes runs/<name>/wandb only)
+
+    def __post_init__(self):
+        unknown = [s for s in self.sinks if s not in SINKS]
+        _check(not unknown, "metrics.sinks", f"{unknown} not among {', '.join(SINKS)}")
+        _check(len(set(self.sinks)) == len(self.sinks), "metrics.sinks", "lists a sink twice")
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -216,6 +231,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
@@ -239,7 +255,11 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return _coerce(tp, [v.strip() for v in value.split(",")], name)
     if origin is tuple:
         _check(isinstance(value, list | tuple), name, f"expected a list, got {value!r}")
-        return tuple(_coerce(a, v, name) for a, v in zip(typing.get_args(tp), value, strict=True))
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            args = (args[0],) * len(value)
+        _check(len(args) == len(value), name, f"expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(a, v, name) for a, v in zip(args, value, strict=True))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = tp if not isinstance(tp, types.UnionType) else typing.get_args(tp)

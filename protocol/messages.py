@@ -369,6 +369,39 @@ class Event(WireStruct):
     wall_s: Seconds = 0.0
 
 
+@struct
+class Span(WireStruct):
+    """One interval of a process's time on one of its tracks (a track never holds two spans at once).
+    state: what it did, e.g. "decode", "prefill", "wait_data", "scoring" (see SPEC.md, Spans).
+    start_wall_s: Unix epoch seconds (wall clock: spans of several processes share one time axis).
+    value: a number that goes with the state (decode: the running batch), 0 when none.
+
+    Example: Span(state="decode", start_wall_s=1795000000.0, duration_s=0.012, track="main", value=24.0)
+    """
+
+    state: Name
+    start_wall_s: Seconds
+    duration_s: Seconds
+    track: Name = "main"
+    value: float = 0.0
+
+
+@message(52)
+class Spans(WireStruct):
+    """A batch of a process's spans since its last Spans (its bounded ring buffer, drained once per stats
+    interval). dropped: spans the ring overwrote before they could be sent. The trainer writes them to
+    runs/<name>/trace.jsonl and republishes them to tools on the notice socket.
+
+    Example: Spans(role="generator", name="gen-0", spans=[Span(state="decode", start_wall_s=1795000000.0,
+    duration_s=0.012, value=24.0)], dropped=0)
+    """
+
+    role: Role
+    name: Name
+    spans: Annotated[list[Span], Meta(max_length=4096)]
+    dropped: UInt = 0
+
+
 # ---------------------------------------------------------------------------------------- control
 
 

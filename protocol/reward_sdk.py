@@ -7,6 +7,7 @@ Test: pytest tests/protocol/test_reward_sdk.py tests/protocol/test_conformance.p
     serve()       recv loop: ScoreRequest -> one task each (<= max_concurrency, beyond: ScoreError 406);
                   the task runs score_fn (sync: thread pool; async: awaited) under the per-request
                   timeout and sends Score or ScoreError (waits for credit). Ends on Shutdown.
+                  Every STATS_INTERVAL_S it sends Stats (requests, in flight, latency, errors) and Spans.
     RewardRouter  score() queues a request; _dispatch() sends it to the reward peer whose tasks match
                   with the fewest requests in flight below its Hello.max_inflight; Score/ScoreError come
                   back through Server.route(); peer events come through Server.add_listener(). A timeout,
@@ -33,6 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from tailrace.protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
+from tailrace.protocol.telemetry import RewardTelemetry
 from tailrace.protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
 
 __all__ = ["RewardRouter", "RewardUnavailable", "ScoreFailed", "main", "run_server", "serve", "to_reply"]
@@ -41,6 +43,7 @@ log = logging.getLogger("tailrace.reward")
 
 ScoreFn = Callable[[str, str, dict[str, Any]], "float | dict | Awaitable[float | dict]"]
 MAX_TEXT = 4096
+STATS_INTERVAL_S = 1.0  # Stats and Spans of a reward server, like every role's default trainer.stats_interval_s
 MAX_DETAILS = 256
 RETRY_CODES = (ErrorCode.NO_CREDIT, ErrorCode.UNSUPPORTED, ErrorCode.TIMEOUT)
 """ScoreError codes that another reward server may not give: over capacity, task refused, timed out."""
@@ -156,25 +159,41 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
                     curve_secret_key=curve_secret_key, context=context)
     active: set[asyncio.Task] = set()
     failed: asyncio.Future = asyncio.get_running_loop().create_future()
+    telemetry = RewardTelemetry(client.hello.name, max_concurrency)
 
     def done(task: asyncio.Task) -> None:
         active.discard(task)
         if not task.cancelled() and task.exception() is not None and not failed.done():
             failed.set_exception(task.exception())
 
-    async def answer(req: ScoreRequest) -> None:
-        reply = await scorer.score(req)
+    async def send(msg: Any) -> None:
         try:
-            await client.send(reply)
+            await client.send(msg)
         except ConnectionLost:
             if client.shutdown_reason is None:  # a reply racing the trainer's Shutdown is not an error
                 raise
 
+    async def answer(req: ScoreRequest) -> None:
+        ticket = telemetry.start()
+        reply = await scorer.score(req)
+        telemetry.finish(ticket, failed=isinstance(reply, ScoreError))
+        await send(reply)
+
+    async def publish_stats() -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            for msg in (telemetry.stats(), telemetry.spans.drain()):
+                if msg is not None:
+                    await send(msg)
+
+    stats = None
     try:
         welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s)
         log.info("reward server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)
+        stats = asyncio.create_task(publish_stats(), name="reward-stats")
+        stats.add_done_callback(done)  # a failure surfaces like a request task's
         while True:
             msg = await _next_message(client, failed)
             if isinstance(msg, ScoreRequest):
@@ -194,9 +213,9 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
             else:
                 log.info("ignored %s from the trainer: %s", type(msg).__name__, msg)
     finally:
-        for task in active:
+        for task in (*active, *([stats] if stats else [])):
             task.cancel()
-        await asyncio.gather(*active, return_exceptions=True)
+        await asyncio.gather(*active, *([stats] if stats else []), return_exceptions=True)
         await client.close()
         scorer.close()
 

@@ -5,7 +5,7 @@ finished sample at once, and takes new weights between decode steps.
                 into GenState (bounded: work only arrives as answers to our own WorkRequests)
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
                 request work > decode one step (in a worker thread) > wait for the recv loop
-    stats loop  sends Stats every trainer stats interval
+    stats loop  sends Stats and the spans recorded since (engine/generator/spans.py) every trainer stats interval
 Drafter sharing (with speculation): every DRAFTER_PUBLISH_STEPS spot-training steps the drafter is
 exported into a small local WeightsStore and announced to the trainer (WeightsNotice "drafter"), which
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailrace.engine.config import RunConfig
+from tailrace.engine.generator.spans import idle_state, record_step, step_marks
 from tailrace.engine.weights import WeightsAssembler, WeightsStore
 from tailrace.protocol import messages as m
+from tailrace.protocol.telemetry import SpanBuffer
 
 log = logging.getLogger("tailrace.generator")
 
@@ -161,6 +163,7 @@ class GeneratorService:
         self.tokens_sent = 0
         self.items_rejected = 0
         self.started_s = time.monotonic()
+        self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
 
     async def run(self) -> str:
         from tailrace.protocol.transport import Client, ConnectionLost
@@ -215,7 +218,8 @@ class GeneratorService:
                 self.status = "syncing_weights"
                 version, tensors = self.state.ready_weights
                 self.state.ready_weights = None
-                self.backend.update_weights(tensors, version)
+                with self.spans.span("weights_swap"):
+                    self.backend.update_weights(tensors, version)
                 await self.client.send(self.stats())  # tools see the new version at once
             elif action is Action.ADMIT:
                 for error in self.admit(self.state.pending_items.popleft()):
@@ -227,7 +231,9 @@ class GeneratorService:
                                                      policy_version=self.backend.policy_version))
             elif action is Action.DECODE:
                 self.status = "generating"
+                marks = step_marks(self.backend)
                 finished = await asyncio.to_thread(self.backend.step)
+                record_step(self.spans, self.backend, marks, len(finished))
                 if self.spot is not None:
                     self.spot.add_traces(self.backend.take_traces())
                 for done in finished:
@@ -235,17 +241,21 @@ class GeneratorService:
             elif action is Action.TRAIN_DRAFTER:
                 self.status = "drafter_training"
                 self.wakeup.clear()  # any message from the trainer stops training within one step
-                await asyncio.get_running_loop().run_in_executor(
-                    self.spot_thread, self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
+                with self.spans.span("drafter_training"):
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.spot_thread, self.spot.run, self.wakeup.is_set, DRAFTER_STEPS_PER_TURN)
                 self.backend.drafter_changed()
                 await self.maybe_publish_drafter()
                 if not self.wakeup.is_set():
-                    self.status = "idle"
-                    await self.wakeup.wait()
+                    await self.idle()
             else:
-                self.status = "idle"
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self.idle()
+
+    async def idle(self) -> None:
+        self.status = "idle"
+        with self.spans.span(idle_state(self.state.request_outstanding, self.state.exhausted)):
+            await self.wakeup.wait()
 
     def admit(self, item: m.WorkItem) -> list[m.Rollout]:
         """Queue the item's samples; if the backend refuses them (e.g. a prompt too long for this
@@ -421,6 +431,7 @@ class GeneratorService:
             "generator/time/busy_s": b.prefill_s + b.decode_s,
             "generator/time/wall_s": elapsed,
             "generator/work/items_rejected": self.items_rejected,
+            "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
         }
         if self.spot is not None:
             from tailrace.engine.generator.speculative import telemetry
@@ -434,3 +445,7 @@ class GeneratorService:
         while True:
             await asyncio.sleep(self.cfg.trainer.stats_interval_s)
             await self.client.send(self.stats())
+            if (spans := self.spans.drain()) is not None:  # drain() counts its own cost
+                started = time.perf_counter()
+                await self.client.send(spans)
+                self.spans.cost_s += time.perf_counter() - started

@@ -123,7 +123,7 @@ class DPOTrainer:
         self.busy_s = 0.0
         self.started_s = time.monotonic()
         self.stop_reason = ""
-        self.sink = make_sink(self.run_dir)
+        self.sink = make_sink(self.run_dir, cfg)
 
     def request_stop(self, signum: int, _frame: Any = None) -> None:
         if not self.stop_reason:

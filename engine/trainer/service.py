@@ -43,8 +43,10 @@ from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
+from tailrace.engine.trainer.trace import TraceLog
 from tailrace.engine.weights import WeightsStore
 from tailrace.protocol import messages as m
+from tailrace.protocol.telemetry import SpanBuffer
 
 log = logging.getLogger("tailrace.trainer")
 
@@ -107,7 +109,9 @@ class TrainerService:
         if resume_from is not None:
             self.drafters.restore(resume_from)
             keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)  # steps trained again
-        self.sink = make_sink(self.run_dir)
+        self.sink = make_sink(self.run_dir, cfg)
+        self.spans = SpanBuffer("trainer", "trainer", enabled=cfg.metrics.spans)
+        self.trace = TraceLog(self.run_dir / "trace.jsonl")
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
@@ -126,6 +130,7 @@ class TrainerService:
         self.s_per_token: dict[str, float] = {}  # generator -> measured seconds per completion token (EMA)
         self.train_busy_s = 0.0
         self.token_totals = collections.Counter(counters.get("tokens", {}))  # branch-replay bookkeeping
+        self.last_loss = float("nan")
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -201,7 +206,8 @@ class TrainerService:
                 self.changed.clear()
                 if self.waiting_since_s is None:
                     self.waiting_since_s = time.monotonic()
-                await self.changed.wait()
+                with self.spans.span("wait_data"):
+                    await self.changed.wait()
                 await self.serve_parked()  # whatever changed (a discard, a reclaim) may open the gate
                 continue
             self.waiting_since_s = None
@@ -215,7 +221,8 @@ class TrainerService:
         groups = [to_group(g) for g in batch]
         self.state = "training"
         started = time.monotonic()
-        metrics = await asyncio.to_thread(self.learner.step, groups)
+        with self.spans.span("train_step", value=len(groups)):  # forward-backward and optimizer
+            metrics = await asyncio.to_thread(self.learner.step, groups)
         self.train_busy_s += time.monotonic() - started
         for key in ("logical_tokens", "unique_tokens"):
             self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
@@ -234,6 +241,7 @@ class TrainerService:
             "trainer/policy_version": self.learner.policy_version,
         } | self.controller.stats()
         self.sink.log(self.learner.step_count, metrics)
+        self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
         await self.publish_weights()
         every = self.cfg.checkpoint.every_steps
@@ -243,7 +251,8 @@ class TrainerService:
 
     async def publish_weights(self) -> None:
         version = self.learner.policy_version
-        notice = self.store.publish("policy", version, self.learner.state_dict_for_broadcast())
+        with self.spans.span("weights_gather"):
+            notice = self.store.publish("policy", version, self.learner.state_dict_for_broadcast())
         self.controller.on_new_version(version)
         for peer in list(self.server.peers.values()):
             if peer.role == "generator":
@@ -379,7 +388,8 @@ class TrainerService:
             return await self.reply_error(peer, msg, m.ErrorCode.UNSUPPORTED,
                                           f"{msg.model} version {msg.version} chunk {msg.chunk_index} is not "
                                           f"served; latest is {latest.version if latest else 'none'}")
-        await self.server.send(peer.id, chunk)
+        with self.spans.span("serve_weights", track="net"):
+            await self.server.send(peer.id, chunk)
 
     # ------------------------------------------------------------------------------------ drafter relay
 
@@ -399,6 +409,7 @@ class TrainerService:
             self.drafters.forget_fetch_from(peer.id)  # the generator no longer serves that version
 
     async def on_stats(self, peer: Any, msg: m.Stats) -> None:
+        self.trace.write(msg)
         self.peer_stats[peer.name] = msg
         if msg.role == "generator":
             self.generator_versions[peer.name] = msg.policy_version
@@ -406,6 +417,11 @@ class TrainerService:
         await self.server.publish(msg)
 
     async def on_event(self, peer: Any, msg: m.Event) -> None:
+        self.trace.write(msg)
+        await self.server.publish(msg)
+
+    async def on_spans(self, peer: Any, msg: m.Spans) -> None:
+        self.trace.write(msg)
         await self.server.publish(msg)
 
     async def reply_error(self, peer: Any, msg: Any, code: int, text: str) -> None:
@@ -419,13 +435,16 @@ class TrainerService:
         m.WeightsChunk: on_weights_chunk,
         m.Stats: on_stats,
         m.Event: on_event,
+        m.Spans: on_spans,
         m.Error: on_peer_error,  # a peer's complaint; counted by the transport
     }
 
     # ------------------------------------------------------------------------------------ telemetry
 
     def event(self, name: str, text: str, **fields: Any) -> m.Event:
-        return m.Event(role="trainer", name="trainer", event=name, text=text, fields=fields, wall_s=time.time())
+        event = m.Event(role="trainer", name="trainer", event=name, text=text, fields=fields, wall_s=time.time())
+        self.trace.write(event)
+        return event
 
     def stats(self) -> m.Stats:
         counters = dict(self.controller.stats())
@@ -436,6 +455,7 @@ class TrainerService:
         counters["trainer/queue/scoring"] = len(self.scoring)
         if self.step_rewards:
             counters["trainer/reward/last"] = self.step_rewards[-1]
+            counters["trainer/loss/last"] = self.last_loss
         if self.token_totals["unique_tokens"]:
             counters["trainer/replay/saving"] = self.token_totals["logical_tokens"] / self.token_totals["unique_tokens"]
         return m.Stats(role="trainer", name="trainer", state=self.state, policy_version=self.learner.policy_version,
@@ -446,7 +466,12 @@ class TrainerService:
 
     async def stats_loop(self) -> None:
         while True:
-            await self.server.publish(self.stats())
+            stats, spans = self.stats(), self.spans.drain()
+            self.trace.write(stats)
+            for msg in (stats, spans) if spans is not None else (stats,):
+                await self.server.publish(msg)
+            if spans is not None:
+                self.trace.write(spans)
             await asyncio.sleep(self.cfg.trainer.stats_interval_s)
 
     # ------------------------------------------------------------------------------------ the end
@@ -461,6 +486,10 @@ class TrainerService:
         await self.server.publish(m.Shutdown(reason=self.stop_reason or "run finished"))
 
     def save_checkpoint(self) -> Path:
+        with self.spans.span("checkpoint"):
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         self.state = "checkpointing"
         consistent, unfinished = self.controller.checkpoint_state()
         if self.controller.stopping:  # on_stop has counted them run_ended; the next run admits them again
@@ -496,7 +525,8 @@ class TrainerService:
             "replay_saving": (self.token_totals["logical_tokens"] / self.token_totals["unique_tokens"]
                               if self.token_totals["unique_tokens"] else None),
             "generator_time_s": {name: {"busy_s": st.counters.get("generator/time/busy_s", 0.0),
-                                        "wall_s": st.counters.get("generator/time/wall_s", 0.0)}
+                                        "wall_s": st.counters.get("generator/time/wall_s", 0.0),
+                                        "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
@@ -508,6 +538,9 @@ class TrainerService:
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
+        if (spans := self.spans.drain()) is not None:
+            self.trace.write(spans)
+        self.trace.close()
         return summary
 
 

@@ -1,9 +1,13 @@
-"""The metrics sink: JSONL lines a tool can tail, NaN as null, fan-out to every sink, no file without a run.
+"""The metrics sink: JSONL lines a tool can tail, NaN as null, fan-out to every sink, no file without a run;
+metrics.sinks turns on TensorBoard (events its reader reads, the run config as text) and W&B (offline here).
 Run: pytest tests/engine/test_metrics.py
 """
 
 import json
 
+import pytest
+
+from tailrace.engine.config import load_config
 from tailrace.engine.metrics import FanOut, JsonlSink, MetricsSink, NullSink, make_sink
 
 
@@ -46,3 +50,38 @@ def test_fan_out_reaches_every_sink_and_no_run_dir_writes_nothing(tmp_path):
     assert a.seen == b.seen == [(3, {"k": 1.0})] and a.closed and b.closed
     assert isinstance(make_sink(None), NullSink)
     assert not list(tmp_path.iterdir())
+
+
+def test_metrics_sinks_setting_names_the_sinks_and_rejects_others():
+    cfg = load_config(None, ["--metrics.sinks", "jsonl,tensorboard"])
+    assert cfg.metrics.sinks == ("jsonl", "tensorboard")
+    with pytest.raises(ValueError, match="metrics.sinks"):
+        load_config(None, ["--metrics.sinks", "jsonl,mlflow"])
+
+
+def test_tensorboard_sink_writes_events_tensorboard_reads_with_the_run_config(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, ["--metrics.sinks", "tensorboard", "--train.lr", "0.001"])
+    sink = make_sink(tmp_path, cfg)
+    for step in (1, 2):
+        sink.log(step, {"trainer/loss/pg": 0.5 / step, "trainer/note": "text is skipped"})
+    sink.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("trainer/loss/pg")] == [(1, 0.5), (2, 0.25)]
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"lr": 0.001' in config
+
+
+def test_wandb_sink_offline_writes_a_run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, ["--metrics.sinks", "jsonl,wandb"])
+    sink = make_sink(tmp_path / "run-1", cfg)
+    sink.log(1, {"trainer/reward/mean": 0.25})
+    sink.close()
+    runs = list((tmp_path / "run-1" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((tmp_path / "run-1").rglob("*"))
+    assert (tmp_path / "run-1" / "metrics.jsonl").is_file()

@@ -26,6 +26,8 @@ from tailrace.protocol.messages import (
     ScoreError,
     ScoreRequest,
     Shutdown,
+    Span,
+    Spans,
     Stats,
     WeightsChunk,
     WeightsFetch,
@@ -84,6 +86,9 @@ def examples() -> list[tuple[object, int]]:
                wall_s=1795000000.0), 2),
         (Event(role="trainer", name="trainer", event="peer_dead", text="gen-1 missed 5 heartbeats",
                fields={"peer": "gen-1"}, wall_s=1795000000.0), 2),
+        (Spans(role="generator", name="gen-0", spans=[
+            Span(state="decode", start_wall_s=1795000000.0, duration_s=0.012, value=24.0),
+            Span(state="serve_weights", start_wall_s=1795000000.5, duration_s=0.003, track="net")]), 2),
         (Heartbeat(seq=41, wall_s=1795000000.0), 2),
         (Shutdown(reason="run finished"), 2),
         (Error(code=401, text="Rollout.sample_id: expected int, got str", ref_kind=20), 2),

@@ -16,6 +16,11 @@ and two generators over tcp loopback, built-in rewards):
                      (other prompts; what a long-lived run resumes with, generator.drafter_path) and
                      trained further in the generators' idle turns; spec_ratio = sync_s / its time
     stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
+    stream-spans     stream with metrics.spans false: spans_ratio = its time / stream's; telemetry_frac is
+                     what the generators' own clocks say recording and sending spans cost them, of their wall time
+
+With --timeline DIR (python tools/bench.py pipeline --timeline DIR): DIR/MODE/timeline.{json,png} for each
+mode's (first) run, and DIR/sync_vs_stream/ with the two side by side (tools/timeline.py).
 
 Measuring (a child process, one torch thread like each role): CPU seconds of real decode steps at every
 batch size 1..generator.max_batch_size, of prefill, and of training steps against the tokens the trainer
@@ -60,6 +65,8 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
     "stream+spec_cold": (1, False, ("--generator.speculation", "true")),
+    # telemetry's cost: stream without spans (metrics.spans false), against stream
+    "stream-spans": (1, False, ("--metrics.spans", "false")),
 }
 _fork = multiprocessing.get_context("fork")
 
@@ -398,10 +405,12 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
     seconds = times[f"v{steps}"] - times["first_join"]
     gens = summary["generator_time_s"].values()
     busy, wall = sum(g["busy_s"] for g in gens), sum(g["wall_s"] for g in gens)
+    telemetry = sum(g.get("telemetry_s", 0.0) for g in gens)
     return {"seconds": seconds, "join_spread_s": times["last_join"] - times["first_join"],
             "idle_trainer": 1.0 - summary["trainer_busy_s"] / seconds, "trainer_busy_s": summary["trainer_busy_s"],
             "generator_busy_s": [g["busy_s"] for g in gens],
             "idle_generators": 1.0 - busy / wall if wall else float("nan"),
+            "telemetry_frac": telemetry / wall if wall else float("nan"),
             "samples_trained": summary["samples_trained"], "discarded": summary["discarded"],
             "max_staleness_seen": summary["max_staleness_seen"],
             "generator_exit_codes": [p.exitcode for p in procs[2:]]}
@@ -410,7 +419,19 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
 # ---------------------------------------------------------------------------------------- the benchmark
 
 
-def run(quick: bool, log: Callable[[str], None]) -> dict:
+def _timeline(run_dir: Path, mode: str, out: Path, traces: dict[str, list[dict]]) -> None:
+    """The run's timeline into out/MODE (its first run only); sync and stream also side by side."""
+    from tools.timeline import load_trace, write
+
+    if mode in traces or not (run_dir / "trace.jsonl").is_file():
+        return
+    traces[mode] = load_trace(run_dir)
+    write([(mode, traces[mode])], out / mode)
+    if "sync" in traces and "stream" in traces and mode in ("sync", "stream"):
+        write([("sync", traces["sync"]), ("stream", traces["stream"])], out / "sync_vs_stream")
+
+
+def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -> dict:
     w = Workload(steps=3 if quick else 12)
     work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-"))
     log(f"workload: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} (removed "
@@ -429,6 +450,7 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     # The full run repeats the modes in mirrored order (ABC CBA), so a drift in the machine's other
     # load weighs on every mode alike.
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    traces: dict[str, list[dict]] = {}
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
         staleness, modelled, extra = MODES[mode]
         args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
@@ -438,6 +460,8 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
                          costs_path=costs_path if modelled else None)
         r["load_1m"] = load
         results[mode].append(r)
+        if timeline is not None:
+            _timeline(work / "runs" / f"{i}-{mode}", mode, timeline, traces)
         log(f"{mode:16s} {r['seconds']:7.2f} s   idle: trainer {r['idle_trainer']:.2f}, generators "
             f"{r['idle_generators']:.2f}   samples {r['samples_trained']}   generators joined "
             f"{r['join_spread_s']:.2f} s apart   load {load}")
@@ -462,6 +486,11 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
     spec_s, cold_s = _mean(results["stream+spec"], "seconds"), _mean(results["stream+spec_cold"], "seconds")
+    nospans_s = _mean(results["stream-spans"], "seconds")
+    out |= {"stream_nospans_s": round(nospans_s, 3), "spans_ratio": round(nospans_s / t, 3),
+            "telemetry_frac": round(statistics.fmean(r["telemetry_frac"] for m in ("stream", "sync")
+                                                     for r in results[m]), 6),
+            "telemetry_target_frac": 0.01}
     out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3),
             "stream_spec_cold_s": round(cold_s, 3), "spec_ratio_cold": round(s / cold_s, 3)}
     for key in ("idle_trainer", "idle_generators"):
