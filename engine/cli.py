@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine",
                          description="Start a trainer, launch.num_generators generators and a reward "
-                         "server as separate processes over loopback, show progress, stop cleanly on "
+                         "server for the built-in tasks (none with reward.mode servers: it prints how to "
+                         "attach yours) as separate processes over loopback, show progress, stop cleanly on "
                          "Ctrl-C with a checkpoint. " + OVERRIDES_HELP)
     run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
     run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
@@ -52,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                             description="Run `module:function` (score(prompt, completion, metadata) -> "
                             "float | dict) as a reward server attached to a trainer.")
     reward.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
-    reward.add_argument("--fn", required=True, help="module:function, e.g. engine.tasks:score")
-    reward.add_argument("--tasks", default="*", help="comma-separated task names it scores (default: all)")
+    reward.add_argument("--fn", required=True, help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--tasks", default="", help="comma-separated task names it scores (default: the "
+                        "function's `tasks` attribute if it has one, else all)")
     reward.add_argument("--name", default="", help="unique name in the run (default: reward-<pid>)")
     reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")

@@ -193,7 +193,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class LaunchConfig:
     num_generators: int = 2  # generator processes
-    reward_server: bool = True  # start the built-in reward functions as a separate reward process
+    reward_server: bool = True  # start the built-in tasks' reward server (never with reward.mode = servers)
     on_child_crash: str = "stop"  # stop | restart
     max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes

@@ -1,5 +1,7 @@
 """`tailrace run`: a trainer, launch.num_generators generators and a reward server as separate OS
-processes on this machine over loopback, supervised, with progress bars.
+processes on this machine over loopback, supervised, with progress bars. The reward server serves the
+built-in tasks' functions (only those tasks); with reward.mode = "servers" it is not started, and the
+launcher prints the line that attaches the user's own.
 
     supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
                      generator or reward server stops the run (SIGINT to the trainer, which
@@ -137,7 +139,7 @@ class Launcher:
             argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path),
                             *self.key_args(f"gen-{i}"))
             self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
-        if self.cfg.launch.reward_server:
+        if self.starts_reward_server():
             argv = self.cli("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "reward-0",
                             *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
@@ -146,6 +148,17 @@ class Launcher:
 
     def key_args(self, name: str) -> list[str]:
         return self.keys.args(name) if self.keys is not None else []
+
+    def starts_reward_server(self) -> bool:
+        """reward.mode = "servers" means the user's servers score everything: the built-in one stays out."""
+        return self.cfg.launch.reward_server and self.cfg.reward.mode != "servers"
+
+    def attach_hint(self, address: str) -> str:
+        """How to attach a reward server for data.task, with this run's keys when CURVE is on."""
+        argv = ["tailrace", "reward", "--connect", address, "--fn", "module:function", "--tasks", self.cfg.data.task,
+                *(["--name", "reward-0", *self.key_args("reward-0")] if self.keys is not None else [])]
+        return (f"tailrace run: reward.mode = servers: no reward server is started; attach yours (rows with "
+                f"another task need a server for it):\n  {' '.join(argv)}")
 
     def supervise_once(self, trainer: Child) -> bool:
         """One supervision pass; False when the run is over."""
@@ -293,7 +306,9 @@ def main(args: Any, overrides: list[str]) -> int:
     try:
         trainer, endpoint = launcher.start_trainer()
         print(f"tailrace run: trainer at {endpoint['address']}; starting {cfg.launch.num_generators} generators"
-              + (" and a reward server" if cfg.launch.reward_server else ""))
+              + (" and a reward server" if launcher.starts_reward_server() else ""))
+        if cfg.reward.mode == "servers":
+            print(launcher.attach_hint(endpoint["address"]), flush=True)
         launcher.start_peers(endpoint["address"])
         run(_run_async(launcher, trainer, endpoint["address"]))
     except RuntimeError as exc:

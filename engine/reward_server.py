@@ -2,6 +2,8 @@
 
 Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.tasks:score [--tasks reverse,copy]
 The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
+Without --tasks the server registers the function's `tasks` attribute when it has one (the built-in
+tasks' `score` does), else "*" (every task).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main(args: Any, overrides: list[str]) -> int:
     from tailrace.protocol.transport import ConnectionLost, read_key, run
 
     fn = load_function(args.fn)
-    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) or ("*",)
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    tasks = tasks or tuple(getattr(fn, "tasks", ())) or ("*",)
     try:
         run(serve(fn, args.connect, tasks=tasks, name=args.name or None, max_concurrency=args.max_concurrency,
                   timeout_s=args.timeout_s, curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),

@@ -11,7 +11,8 @@ Rewards lie in [0, 1] with partial credit, so samples of one group differ and GR
 answer, 0.0 for an empty completion, low for garbage, and lower for a completion that runs on too long.
 
 Prompt ``i`` of a stream is a pure function of ``(task, seed, i)``, so a resumed run continues exactly:
-``synthetic_prompts("reverse", seed=0, start=i)``. ``score`` has the reward-server SDK signature.
+``synthetic_prompts("reverse", seed=0, start=i)``. ``score`` has the reward-server SDK signature, and
+its ``tasks`` attribute names the tasks it scores (a reward server registers those).
 Test: ``pytest tests/engine/test_tasks.py``.
 """
 
@@ -163,3 +164,8 @@ def score(prompt: str, completion: str, metadata: dict) -> float:
     if not isinstance(task, str):
         raise ValueError(f"metadata.task: must be a str, got {type(task).__name__}")
     return score_task(task, prompt, completion, metadata)
+
+
+# What `tailrace reward --fn tailrace.engine.tasks:score` registers when --tasks is not given: only the
+# tasks it can score, so that the trainer never sends it a task of the user's ("math") to fail.
+score.tasks = TASK_NAMES

@@ -242,8 +242,10 @@ class Rollout(WireStruct):
 
 @message(30)
 class ScoreRequest(WireStruct):
-    """Score one completion. request_id is unique per reward server connection and echoed back.
-    metadata carries task data such as the reference answer.
+    """Score one completion. request_id: echoed back; every attempt (a retry too) gets a new one, unique for
+    the trainer process. metadata: task data such as the reference answer. timeout_s: the budget left for
+    this attempt, in seconds from when the server receives it (the trainer started the attempt when it
+    queued it and gives up a second after the budget runs out); 0 = no limit but the server's own.
 
     Example: ScoreRequest(request_id=77, task="copy", prompt="copy: abc\\n", completion="abc",
     metadata={"answer": "abc"}, timeout_s=10.0)
@@ -259,7 +261,9 @@ class ScoreRequest(WireStruct):
 
 @message(31)
 class Score(WireStruct):
-    """The reward for one ScoreRequest. details: optional named components (logged, not trained on).
+    """The reward for one ScoreRequest. reward must be finite: a NaN or infinity decodes, and the trainer
+    discards the sample (reward_nan). details: optional named finite components, not trained on (the
+    trainer does not record them yet).
 
     Example: Score(request_id=77, reward=1.0, details={"exact": 1.0})
     """
@@ -408,6 +412,8 @@ class Spans(WireStruct):
 @message(60)
 class Heartbeat(WireStruct):
     """Liveness, both directions, every heartbeat_interval_s. Any message also counts as a sign of life.
+    seq: counts up from 0 in each session of a peer; the trainer keeps one count for all its sessions.
+    No receiver checks it.
 
     Example: Heartbeat(seq=41, wall_s=1795000000.0)
     """

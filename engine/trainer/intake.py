@@ -15,8 +15,10 @@ from tailrace.protocol import messages as m
 def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int) -> tuple[str, str] | None:
     """(discard reason, text) if a rollout for a sample we wait for is not one we can train, else None."""
     num = msg.completion_token_ids.shape[0]
-    if msg.finish_reason in ("cancelled", "error"):
-        return "generator_" + msg.finish_reason, f"finish_reason {msg.finish_reason}"
+    if msg.finish_reason == "cancelled":
+        return "generator_cancelled", "finish_reason cancelled"
+    if msg.finish_reason == "error":
+        return "generator_error", "finish_reason error"
     if num == 0:
         return "empty_completion", "the completion has no tokens"
     if msg.prompt_token_ids.tolist() != group.prompt.token_ids:

@@ -109,8 +109,7 @@ class RewardDispatcher:
             score = await self.router.score(task, prompt, completion, metadata, timeout_s=self.cfg.timeout_s,
                                             retries=self.cfg.retries)
         except ScoreFailed as exc:
-            reason = "reward_timeout" if getattr(exc, "code", 0) == 504 else "reward_error"
-            raise ScoringFailed(reason, str(exc)) from exc
+            raise ScoringFailed("reward_timeout" if exc.code == 504 else "reward_error", str(exc)) from exc
         except RewardUnavailable as exc:
             raise ServerGone(str(exc)) from exc
         return _check_reward(score.reward)

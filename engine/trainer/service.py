@@ -405,6 +405,13 @@ class TrainerService:
         await self.drafters.on_chunk(peer, msg)
 
     async def on_peer_error(self, peer: Any, msg: m.Error) -> None:
+        """Counted and logged (the 1st, 2nd, 4th, ... of each code); the session goes on. An Error names no
+        request, so a ScoreRequest it refers to is settled by its timeout (protocol/SPEC.md)."""
+        key = f"trainer/peer_errors/{msg.code}"
+        self.counters[key] += 1
+        if self.counters[key] & (self.counters[key] - 1) == 0:
+            log.warning("%s %s answered Error %d to a message of kind %d: %s (%d so far)", peer.role, peer.name,
+                        msg.code, msg.ref_kind, msg.text, self.counters[key])
         if msg.ref_kind == m.WeightsFetch.KIND:
             self.drafters.forget_fetch_from(peer.id)  # the generator no longer serves that version
 

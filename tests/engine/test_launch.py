@@ -83,7 +83,7 @@ def test_run_with_curve_trains_and_admits_only_its_own_children(tmp_path):
     run_dir = tmp_path / "runs" / "curve"
     proc = _run(tmp_path, "--trainer.run_name", "curve", "--trainer.curve_secret_key_file", str(tmp_path / "trainer.key"),
                 "--train.steps", "3", "--train.groups_per_step", "2", "--sampling.group_size", "4",
-                "--launch.num_generators", "1", "--reward.mode", "servers")
+                "--launch.num_generators", "1")
     try:
         out, _ = proc.communicate(timeout=200)
     finally:

@@ -87,7 +87,7 @@ def test_killed_reward_server_and_generator_are_restarted_and_take_over_their_se
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tailrace.engine.cli", "run", "--trainer.runs_dir", str(tmp_path / "runs"),
          "--trainer.run_name", "restarts", "--launch.on_child_crash", "restart", "--launch.num_generators", "1",
-         "--reward.mode", "servers", "--train.steps", "1000", "--train.groups_per_step", "2",
+         "--train.steps", "1000", "--train.groups_per_step", "2",
          "--sampling.group_size", "4", "--sampling.max_new_tokens", "24", "--trainer.stats_interval_s", "0.3",
          "--no-progress"],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -145,3 +145,24 @@ async def test_a_rollout_sampled_with_a_too_old_policy_is_discarded(tmp_path):
     assert summary["steps"] == 2 and summary["samples_trained"] == 7
     assert {k: n for k, n in summary["discarded"].items() if n} == {"bad_rollout": 1}
     assert summary["max_staleness_seen"] == 0
+
+
+@pytest.mark.timeout(60)
+async def test_an_error_from_a_reward_server_is_counted_and_logged_and_its_session_goes_on(tmp_path, caplog):
+    service = make_service(tmp_path, "--train.steps", "1000")
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    try:
+        async with Client(address, role="reward", name="grader", tasks=["math"]) as grader:
+            await asyncio.wait_for(grader.connect(), 10)
+            for _ in range(3):
+                await grader.send(m.Error(code=m.ErrorCode.BAD_FIELD, text="ScoreRequest.task: too long",
+                                          ref_kind=m.ScoreRequest.KIND))
+            while service.counters["trainer/peer_errors/401"] < 3:
+                await asyncio.sleep(0.02)
+            assert [p.name for p in service.server.peers.values()] == ["grader"]
+            # the 1st and 2nd are said, the 3rd only counted
+            assert caplog.text.count("reward grader answered Error 401 to a message of kind 30") == 2
+    finally:
+        service.request_stop("test over")
+        await asyncio.wait_for(run, 60)

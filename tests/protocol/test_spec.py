@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from tailrace.protocol.codec import decode, encode
-from tailrace.protocol.messages import ErrorCode, Score, ScoreRequest
+from tailrace.protocol.messages import Credit, ErrorCode, Heartbeat, Hello, Score, ScoreRequest
 from tailrace.protocol.schema import (
     DTYPES,
     INT64_MAX,
@@ -36,6 +36,8 @@ SPEC = Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md"
 WORKED_REQUEST = ScoreRequest(request_id=77, task="copy", prompt="copy: abc\n", completion="abc",
                               metadata={"answer": "abc"}, timeout_s=10.0)
 WORKED_REPLY = Score(request_id=77, reward=1.0, details={"exact": 1.0})
+REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=1, package_version="1.0", tasks=["math"],
+                     max_inflight=4, capabilities={})
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -277,6 +279,22 @@ def test_worked_example_bytes_are_what_the_codec_produces():
         annotated = b"".join(bytes.fromhex(row[0].strip("`")) for row in rows
                              if re.fullmatch(r"`[0-9a-f ]+`", row[0]))
         assert annotated == encode(msg)[1]
+
+
+def test_reward_server_section_bytes_are_what_the_codec_produces():
+    """The Hello omits its trailing default (incarnation) as the text says; the receiver fills it in."""
+    text = section(spec_text(), "Reward servers")
+    hello = parse_frames("\n".join(line.removeprefix("   ") for line in text.splitlines()))
+    fields = [getattr(REWARD_HELLO, f) for f in REWARD_HELLO.__struct_fields__]
+    assert fields[-1] == 0 and hello == [encode(REWARD_HELLO)[0], msgspec.msgpack.encode(fields[:-1])]
+    assert decode(hello) == REWARD_HELLO
+    said = re.search(r"(\d+) elements, .*?the trailing\s+`(\w+)` omitted", text, re.S)
+    assert said and (int(said[1]), said[2]) == (len(fields) - 1, REWARD_HELLO.__struct_fields__[-1]), \
+        "the text must say how many elements the example's body has and which trailing field it omits"
+    inline = [[bytes.fromhex(h) for h in pair] for pair in
+              re.findall(r"frame 0 `([0-9a-f ]+)`, frame 1 `([0-9a-f ]+)`|`(54 52 01 3f)` / `([0-9a-f ]+)`", text)
+              for pair in [[x for x in pair if x]]]
+    assert inline == [encode(Heartbeat(seq=3, wall_s=0.0)), encode(Credit(credits=32))]
 
 
 def section_between(text: str, start: str, end: str) -> str:
