@@ -109,4 +109,8 @@ def test_killed_reward_server_and_generator_are_restarted_and_take_over_their_se
     assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
     assert "no_reward_fn" not in summary["discarded"], summary["discarded"]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert trainer_log.count("taken over by a new session") == 2, trainer_log[-3000:]
+    # Each old session ends once: taken over by its successor, or, when the restarted process needs longer
+    # than the heartbeat timeout to say Hello (a loaded machine), declared dead before it comes back.
+    for name in ("reward-0", "gen-0"):
+        ended = trainer_log.count(f"{name!r} left: taken over by a new session") + trainer_log.count(f"{name!r} dead")
+        assert ended == 1, trainer_log[-3000:]
