@@ -6,6 +6,7 @@
                 worker thread (the event loop keeps serving meanwhile), then publishes version V+1
                 (WeightsNotice to generators and on the notice socket) and serves parked requests
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
+    loop probe  measures the event loop's lag into Stats counter trainer/loop/max_stall_ms (loop_probe.py)
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
@@ -36,7 +37,7 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
-from tailrace.engine.trainer import checkpoint, watchdog
+from tailrace.engine.trainer import checkpoint, loop_probe, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.intake import rollout_problem, to_group
@@ -51,6 +52,9 @@ log = logging.getLogger("tailrace.trainer")
 LEASE_FLOOR_S = 30.0  # a derived lease is never shorter (model load, first prefill, a busy machine)
 LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
 LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
+MAX_BODY_BYTES = 256 << 10  # bodies sent to the trainer are small (tensors travel as frames); a larger one
+# could hold ~10^5 small objects, which msgspec decodes in one call holding the GIL: refused, so that no
+# message stalls the event loop for more than a few ms (tests/faults/test_loop_stall.py)
 
 
 LearnerFactory = Callable[..., Learner]
@@ -106,7 +110,8 @@ class TrainerService:
         self.drafters = DrafterRelay(self.store, self.counters, model if cfg.trainer.accept_drafters else None)
         if resume_from is not None:
             self.drafters.restore(resume_from)
-            keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)  # steps trained again
+            for name in ("metrics.jsonl", trained_log.FILE_NAME):  # steps past the checkpoint are trained again
+                keep_metrics_up_to(self.run_dir / name, self.learner.step_count)
         self.sink = make_sink(self.run_dir)
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
@@ -135,12 +140,14 @@ class TrainerService:
             self.changed.set()
 
     async def run(self) -> dict[str, Any]:
+        from tailrace.protocol import codec
         from tailrace.protocol.transport import Server, load_client_roles, read_key
 
         cfg = self.cfg.trainer
         self.server = Server(cfg.bind, run_id=self.run_id, credits=cfg.credits,
                              heartbeat_interval_s=cfg.heartbeat_interval_s,
                              missed_heartbeats=cfg.missed_heartbeats, accept=self.accept,
+                             limits=dataclasses.replace(codec.DEFAULT_LIMITS, max_body_bytes=MAX_BODY_BYTES),
                              policy_version=lambda: self.learner.policy_version,
                              drafter_version=self.drafter_version,
                              curve_secret_key=read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"),
@@ -165,13 +172,14 @@ class TrainerService:
             net = asyncio.create_task(self.net_loop(), name="net")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
+            probe = asyncio.create_task(loop_probe.watch(self.counters), name="loop-probe")
             try:
                 await self.train_loop()
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, watchdog, *self.scoring):
+                for task in (net, stats, watchdog, probe, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, watchdog, *self.scoring, return_exceptions=True)
+                await asyncio.gather(net, stats, watchdog, probe, *self.scoring, return_exceptions=True)
                 summary = self.finish()
         return summary
 
@@ -218,6 +226,7 @@ class TrainerService:
         for key in ("logical_tokens", "unique_tokens"):
             self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
         self.controller.on_trained(batch, version)
+        trained_log.append(self.run_dir, self.learner.step_count, batch)
         rewards = [s.reward for g in groups for s in g.samples]
         self.step_rewards.append(statistics.fmean(rewards))
         staleness = [version - s.min_policy_version for g in groups for s in g.samples]
@@ -334,7 +343,7 @@ class TrainerService:
             self.counters[f"rollouts_dropped/{reason}"] += 1
             return
         group = self.controller.groups[msg.group_id]
-        problem = rollout_problem(group, msg, self.vocab_size)
+        problem = rollout_problem(group, msg, self.vocab_size, self.cfg.sampling.max_new_tokens)
         handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
         if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
             per_token = (time.monotonic() - handed_out_s) / msg.completion_token_ids.shape[0]
