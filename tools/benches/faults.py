@@ -52,7 +52,7 @@ class Faulty:
 
     def _advance(self, run: fk.Run, what: str, steps: int = 2, timeout_s: float = 120.0) -> bool:
         try:
-            run.wait_steps(run.steps() + steps, timeout_s)
+            run.wait_steps(min(run.steps() + steps, self.steps), timeout_s)
             return True
         except fk.Hang as exc:
             self.figures["hangs"] += 1
@@ -117,7 +117,7 @@ class Faulty:
 
 
 def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    steps = 24 if quick else 60
+    steps = 30 if quick else 60
     runs = Path(tempfile.mkdtemp(prefix="tailrace-faults-"))
     try:
         wall_clean = _clean(runs, steps, log)
