@@ -17,6 +17,7 @@ import zmq
 
 from tailrace.protocol import codec
 from tailrace.protocol._auth import ClientKeys
+from tailrace.protocol._offload import OffLoopDecoder
 from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
@@ -146,6 +147,8 @@ class Server(Endpoint):
         self._listeners: list[Callable[[PeerEvent], None]] = []
         self._router: Any = None
         self._pub: Any = None
+        self._offload = OffLoopDecoder(lambda frames: codec.decode(frames, self.limits), self._on_decoded,
+                                       self._spawn, self.counters)
 
     @property
     def policy_version(self) -> int:
@@ -275,18 +278,26 @@ class Server(Endpoint):
         peer = self._peers.get(ident)
         if peer is not None:
             peer.last_seen_s = time.monotonic()
+            if self._offload.takes(ident, frames, max_queued=max(1, peer.credits)):
+                return  # a large message: decoded in a thread (protocol/_offload.py), then _on_decoded
         elif self._too_large_before_hello(ident, frames):
             return
         try:
-            msg = codec.decode(frames[1:], self.limits)
-        except ProtocolError as exc:
-            self._bad_input(ident, frames[1:], exc)
+            msg, error = codec.decode(frames[1:], self.limits), None
+        except Exception as exc:
+            msg, error = None, exc
+        self._on_decoded(ident, frames, msg, error)
+
+    def _on_decoded(self, ident: bytes, frames: list, msg: Any, error: Exception | None) -> None:
+        if isinstance(error, ProtocolError):
+            self._bad_input(ident, frames[1:], error)
             return
-        except Exception as exc:  # the codec promises ProtocolError; no input may stop this loop anyway
-            log.exception("decoding a message from %r failed", ident)
-            self._bad_input(ident, frames[1:], ProtocolError(f"{type(exc).__name__}: {exc}",
+        if error is not None:  # the codec promises ProtocolError; no input may stop this loop anyway
+            log.error("decoding a message from %r failed", ident, exc_info=error)
+            self._bad_input(ident, frames[1:], ProtocolError(f"{type(error).__name__}: {error}",
                                                              code=ErrorCode.INTERNAL))
             return
+        peer = self._peers.get(ident)  # again: a message decoded in a thread may outlive its session
         kind = type(msg)
         if peer is None:
             if kind is Hello:

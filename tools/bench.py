@@ -31,6 +31,7 @@ BENCHES: dict[str, str] = {
     "spec": "tools.benches.spec:run",  # speculative decoding vs plain at running batch 1/2/4, after drafter training
     "pipeline": "tools.benches.pipeline:run",  # sync vs stream, real and modelled compute: wall time ratio
     "replay": "tools.benches.replay:run",  # branch-replay: naive vs replay vs packed step, efficiency vs FLOP ideal
+    "faults": "tools.benches.faults:run",  # kill -9 of each role, a silent generator, a fuzz burst vs a clean run
     "scale": "tools.benches.scale:run",  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
 }
 """NAME -> "module:function"."""

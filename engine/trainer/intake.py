@@ -12,8 +12,11 @@ from tailrace.engine.trainer.controller import GroupState
 from tailrace.protocol import messages as m
 
 
-def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int) -> tuple[str, str] | None:
-    """(discard reason, text) if a rollout for a sample we wait for is not one we can train, else None."""
+def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int,
+                    max_new_tokens: int | None = None) -> tuple[str, str] | None:
+    """(discard reason, text) if a rollout for a sample we wait for is not one we can train, else None.
+    Lengths are checked first: a completion longer than the work asked for is refused before any
+    per-token work (decoding it for the reward server would hold the event loop)."""
     num = msg.completion_token_ids.shape[0]
     if msg.finish_reason == "cancelled":
         return "generator_cancelled", "finish_reason cancelled"
@@ -21,7 +24,10 @@ def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int) -> tuple
         return "generator_error", "finish_reason error"
     if num == 0:
         return "empty_completion", "the completion has no tokens"
-    if msg.prompt_token_ids.tolist() != group.prompt.token_ids:
+    if max_new_tokens is not None and num > max_new_tokens:
+        return "bad_rollout", f"{num} completion tokens, more than the {max_new_tokens} handed out"
+    if msg.prompt_token_ids.shape[0] != len(group.prompt.token_ids) or \
+            msg.prompt_token_ids.tolist() != group.prompt.token_ids:
         return "bad_rollout", "prompt_token_ids differ from the prompt handed out"
     ids = msg.completion_token_ids
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:

@@ -38,12 +38,21 @@ def make_run_dir(cfg: RunConfig, resume: bool) -> Path:
 
 
 def keep_metrics_up_to(path: Path, step: int) -> None:
-    """Drop metrics.jsonl lines of steps after `step` (a crash after the checkpoint logged them)."""
+    """Drop the lines of steps after `step` from a JSONL log (a crash after the checkpoint logged them),
+    and a line torn by the crash (kill -9 in the middle of a write)."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if (record := _record(line)) is not None and record.get("step", 0) <= step]
     if len(kept) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
+
+
+def _record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -6,6 +6,7 @@
                 worker thread (the event loop keeps serving meanwhile), then publishes version V+1
                 (WeightsNotice to generators and on the notice socket) and serves parked requests
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
+    loop probe  measures the event loop's lag into Stats counter trainer/loop/max_stall_ms (loop_probe.py)
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
@@ -36,7 +37,7 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
-from tailrace.engine.trainer import checkpoint, watchdog
+from tailrace.engine.trainer import checkpoint, loop_probe, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.intake import rollout_problem, to_group
@@ -53,6 +54,9 @@ log = logging.getLogger("tailrace.trainer")
 LEASE_FLOOR_S = 30.0  # a derived lease is never shorter (model load, first prefill, a busy machine)
 LEASE_CEILING_S = 600.0  # nor longer, whatever a generator's measured speed
 LEASE_MARGIN = 4.0  # a derived lease allows this many times the expected time of a max-length sample
+MAX_BODY_BYTES = 256 << 10  # bodies sent to the trainer are small (tensors travel as frames); a larger one
+# could hold ~10^5 small objects, which msgspec decodes in one call holding the GIL: refused, so that no
+# message stalls the event loop for more than a few ms (tests/faults/test_loop_stall.py)
 
 
 LearnerFactory = Callable[..., Learner]
@@ -108,7 +112,8 @@ class TrainerService:
         self.drafters = DrafterRelay(self.store, self.counters, model if cfg.trainer.accept_drafters else None)
         if resume_from is not None:
             self.drafters.restore(resume_from)
-            keep_metrics_up_to(self.run_dir / "metrics.jsonl", self.learner.step_count)  # steps trained again
+            for name in ("metrics.jsonl", trained_log.FILE_NAME):  # steps past the checkpoint are trained again
+                keep_metrics_up_to(self.run_dir / name, self.learner.step_count)
         self.sink = make_sink(self.run_dir, cfg)
         self.spans = SpanBuffer("trainer", "trainer", enabled=cfg.metrics.spans)
         self.trace = TraceLog(self.run_dir / "trace.jsonl")
@@ -141,12 +146,14 @@ class TrainerService:
             self.changed.set()
 
     async def run(self) -> dict[str, Any]:
+        from tailrace.protocol import codec
         from tailrace.protocol.transport import Server, load_client_roles, read_key
 
         cfg = self.cfg.trainer
         self.server = Server(cfg.bind, run_id=self.run_id, credits=cfg.credits,
                              heartbeat_interval_s=cfg.heartbeat_interval_s,
                              missed_heartbeats=cfg.missed_heartbeats, accept=self.accept,
+                             limits=dataclasses.replace(codec.DEFAULT_LIMITS, max_body_bytes=MAX_BODY_BYTES),
                              policy_version=lambda: self.learner.policy_version,
                              drafter_version=self.drafter_version,
                              curve_secret_key=read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"),
@@ -171,13 +178,14 @@ class TrainerService:
             net = asyncio.create_task(self.net_loop(), name="net")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
+            probe = asyncio.create_task(loop_probe.watch(self.counters), name="loop-probe")
             try:
                 await self.train_loop()
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, watchdog, *self.scoring):
+                for task in (net, stats, watchdog, probe, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, watchdog, *self.scoring, return_exceptions=True)
+                await asyncio.gather(net, stats, watchdog, probe, *self.scoring, return_exceptions=True)
                 summary = self.finish()
         return summary
 
@@ -227,6 +235,7 @@ class TrainerService:
         for key in ("logical_tokens", "unique_tokens"):
             self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
         self.controller.on_trained(batch, version)
+        trained_log.append(self.run_dir, self.learner.step_count, batch)
         rewards = [s.reward for g in groups for s in g.samples]
         self.step_rewards.append(statistics.fmean(rewards))
         staleness = [version - s.min_policy_version for g in groups for s in g.samples]
@@ -246,7 +255,7 @@ class TrainerService:
         await self.publish_weights()
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
-            self.save_checkpoint()
+            await self.save_checkpoint_off_loop()
         self.state = "idle"
 
     async def publish_weights(self) -> None:
@@ -346,7 +355,7 @@ class TrainerService:
             self.counters[f"rollouts_dropped/{reason}"] += 1
             return
         group = self.controller.groups[msg.group_id]
-        problem = rollout_problem(group, msg, self.vocab_size)
+        problem = rollout_problem(group, msg, self.vocab_size, self.cfg.sampling.max_new_tokens)
         handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
         self.progress_s = time.monotonic()
         if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
@@ -494,19 +503,30 @@ class TrainerService:
 
     def save_checkpoint(self) -> Path:
         with self.spans.span("checkpoint"):
-            return self._save_checkpoint()
+            return self._write_checkpoint(self._checkpoint_record())
 
-    def _save_checkpoint(self) -> Path:
+    async def save_checkpoint_off_loop(self) -> Path:
+        """The same, with the file writes in a worker thread: the event loop keeps serving peers. The
+        record is taken on the loop, where the controller changes; the learner does not change meanwhile
+        (the train loop awaits this)."""
+        with self.spans.span("checkpoint"):
+            return await asyncio.to_thread(self._write_checkpoint, self._checkpoint_record())
+
+    def _checkpoint_record(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(data position, counters) consistent with what the checkpoint trained."""
         self.state = "checkpointing"
         consistent, unfinished = self.controller.checkpoint_state()
         if self.controller.stopping:  # on_stop has counted them run_ended; the next run admits them again
             unfinished = self.controller.stopped_prompts
-        folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position={
-            "prompts_consumed": self.source.position, "groups_admitted": consistent["groups_admitted"],
-            "next_group_id": consistent["next_group_id"],
-            "unfinished": [dataclasses.asdict(p) for p in unfinished],
-        }, counters=self.summary() | {"samples_handed_out": consistent["samples_handed_out"]},
-            tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
+        position = {"prompts_consumed": self.source.position, "groups_admitted": consistent["groups_admitted"],
+                    "next_group_id": consistent["next_group_id"],
+                    "unfinished": [dataclasses.asdict(p) for p in unfinished]}
+        return position, self.summary() | {"samples_handed_out": consistent["samples_handed_out"]}
+
+    def _write_checkpoint(self, record: tuple[dict[str, Any], dict[str, Any]]) -> Path:
+        position, counters = record
+        folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position=position,
+                                 counters=counters, tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
         if folder.is_dir():  # rank 0 alone relays drafters
             self.drafters.save(folder)
         return folder

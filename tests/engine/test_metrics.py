@@ -85,3 +85,13 @@ def test_wandb_sink_offline_writes_a_run_folder(tmp_path, monkeypatch):
     runs = list((tmp_path / "run-1" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((tmp_path / "run-1").rglob("*"))
     assert (tmp_path / "run-1" / "metrics.jsonl").is_file()
+
+
+def test_resume_drops_steps_past_the_checkpoint_and_a_torn_last_line(tmp_path):
+    from tailrace.engine.trainer.runs import keep_metrics_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    keep_metrics_up_to(path, 3)  # a kill -9 after step 5 was logged, mid-way through step 6's line
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    keep_metrics_up_to(tmp_path / "absent.jsonl", 3)
