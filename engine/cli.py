@@ -4,6 +4,8 @@
     tailrace trainer --config FILE [--resume] [--section.name VALUE ...]
     tailrace generator --connect ADDR [--name NAME] [--config FILE] [--section.name VALUE ...]
     tailrace reward --connect ADDR --fn module:function [--tasks a,b] [--max-concurrency N]
+    tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
+    tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
 what it needs. Test: pytest tests/engine/test_cli.py
@@ -16,6 +18,26 @@ import sys
 
 OVERRIDES_HELP = ("settings override the config file as dotted names, e.g. --train.lr 1e-4 "
                   "--sampling.group_size 8 (see README, 'Configuration')")
+SETTINGS_EPILOG = ("settings: `tailrace config [--config FILE] [--section.name VALUE ...]` prints every one, "
+                   "resolved, with its meaning and default")
+CONNECT_TIMEOUT_HELP = ("how long to wait for the trainer to answer, saying so every 10 s; "
+                        "0 (default) = until it comes up")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tailrace")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _peer_arguments(role: argparse.ArgumentParser) -> None:
+    """What every role that connects to a trainer takes: CURVE keys and how long to wait for it."""
+    role.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
+    role.add_argument("--curve-key", default="", help="file with this client's CURVE secret key (default: a new one)")
+    role.add_argument("--connect-timeout-s", type=float, default=0.0, help=CONNECT_TIMEOUT_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,9 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="tailrace",
         description="Async streaming rollout-and-train engine for RL post-training of language models.",
     )
-    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward}")
+    parser.add_argument("--version", action="version", version=f"tailrace {_version()}")
+    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward,config}")
 
-    run = sub.add_parser("run", help="trainer, generators and a reward server on this machine",
+    run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
                          "server for the built-in tasks (none with reward.mode servers: it prints how to "
                          "attach yours) as separate processes over loopback, show progress, stop cleanly on "
@@ -34,20 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
     run.add_argument("--no-progress", action="store_true", help="no progress output (bars on a terminal, else a line per step)")
 
-    trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run",
+    trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run", epilog=SETTINGS_EPILOG,
                              description="Bind the protocol endpoints (trainer.bind), hand out work, "
                              "score, train, publish weights, checkpoint. " + OVERRIDES_HELP)
     trainer.add_argument("--config", help="TOML run config")
     trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
 
-    gen = sub.add_parser("generator", help="a sampler on the built-in torch backend",
+    gen = sub.add_parser("generator", help="a sampler on the built-in torch backend", epilog=SETTINGS_EPILOG,
                          description="Connect to a trainer, pull work, stream finished samples, take new "
                          "weights between decode steps. " + OVERRIDES_HELP)
     gen.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
     gen.add_argument("--name", default="", help="unique name in the run (default: gen-<pid>)")
     gen.add_argument("--config", help="TOML run config (model, generator and sampling sections apply)")
-    gen.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
-    gen.add_argument("--curve-key", default="", help="file with this client's CURVE secret key (default: a new one)")
+    _peer_arguments(gen)
 
     reward = sub.add_parser("reward", help="serve a Python reward function",
                             description="Run `module:function` (score(prompt, completion, metadata) -> "
@@ -59,8 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     reward.add_argument("--name", default="", help="unique name in the run (default: reward-<pid>)")
     reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
-    reward.add_argument("--curve-server-key", default="", help="file with the trainer's CURVE public key")
-    reward.add_argument("--curve-key", default="", help="file with this client's CURVE secret key (default: a new one)")
+    _peer_arguments(reward)
+
+    config = sub.add_parser("config", help="print every setting, resolved, with its meaning and default",
+                            description="Print the config that `--config FILE` and the overrides resolve to, as "
+                            "TOML that --config reads back: every setting with its meaning, and its default where "
+                            "it differs. " + OVERRIDES_HELP)
+    config.add_argument("--config", help="TOML run config")
+    parser.set_defaults(role_parsers=sub.choices)  # for a role's own usage on a bad flag
     return parser
 
 
@@ -72,12 +100,30 @@ def _set_title(role: str) -> None:
     setproctitle.setproctitle(f"tailrace-{role}")
 
 
+def _bad_override(overrides: list[str]) -> str | None:
+    """What is wrong with the first flag among the overrides that names no setting, or None."""
+    from tailrace.engine.config import setting_names
+
+    known = setting_names()
+    for arg in overrides:
+        if arg.startswith("--") and arg.partition("=")[0][2:] not in known:
+            name = arg.partition("=")[0]
+            return (f"unrecognized argument {name}" if "." not in name else
+                    f"unknown setting {name} (`tailrace config` lists them)")
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    """(the role's arguments, its dotted config overrides) of a `tailrace` command line."""
+    """(the role's arguments, its dotted config overrides) of a `tailrace` command line. A flag that is
+    neither the role's own nor a setting gets the role's usage and one line."""
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
+    role_parser = args.role_parsers[args.role]
     if args.role == "reward" and overrides:
-        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    problem = _bad_override(overrides)
+    if problem is not None:
+        role_parser.error(problem)
     return args, overrides
 
 
@@ -91,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             from tailrace.engine.trainer.main import main as role_main
         elif args.role == "generator":
             from tailrace.engine.generator.main import main as role_main
+        elif args.role == "config":
+            from tailrace.engine.config import commented_toml, load_config
+
+            print(commented_toml(load_config(args.config, overrides)), end="")
+            return 0
         else:
             from tailrace.engine.reward_server import main as role_main
         return role_main(args, overrides) or 0

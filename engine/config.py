@@ -11,6 +11,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,14 @@ class DataConfig:
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
     prompt_field: str = "prompt"  # file rows: the field holding the prompt text
     answer_field: str = "answer"  # file rows: copied into reward metadata as "answer"
-    seed: int = 0  # seed of the synthetic prompt stream
+    seed: int = 0  # seed of the synthetic prompt stream and of data.shuffle
     max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
+    epochs: int = 1  # file data: passes over the rows before the run stops (train.steps may stop it first)
+    shuffle: bool = False  # file data: each epoch in a new order drawn from data.seed
 
     def __post_init__(self):
         _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0")
+        _check(self.epochs >= 1, "data.epochs", "must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -143,7 +147,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    bind: str = "tcp://127.0.0.1:5555"  # port 0 picks a free port (printed and written to the run folder)
+    bind: str = "tcp://127.0.0.1:5555"  # port 0 = a free one (printed, in endpoint.json); tailrace run: port 0 unless set
     run_name: str = ""  # "" = a timestamped name
     runs_dir: str = "runs"  # parent folder of run folders
     heartbeat_interval_s: float = 1.0  # liveness messages both ways
@@ -310,16 +314,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def config_data(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The settings a user gave, as nested dicts: the TOML file with the overrides applied, no defaults
+    (so a caller can tell a setting left at its default from one set to the default's value)."""
     data: dict[str, Any] = {}
     if path:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {path} does not exist")
         with path.open("rb") as f:
-            data = tomllib.load(f)
-    apply_overrides(data, list(overrides or []))
-    return from_dict(RunConfig, data)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
+    return apply_overrides(data, list(overrides or []))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    return from_dict(RunConfig, config_data(path, overrides))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -350,14 +362,38 @@ def _field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def reference_markdown() -> str:
-    """The README's configuration reference, generated from the dataclasses above."""
-    lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
+def _settings(cfg: RunConfig) -> Iterator[tuple[str, dataclasses.Field, Any, Any, str]]:
+    """(section, field, value in cfg, default, documentation) of every setting, in file order."""
     for section in dataclasses.fields(RunConfig):
         cls = typing.get_type_hints(RunConfig)[section.name]
         comments = _field_comments(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"| `{section.name}.{f.name}` | `{_inline(default)}` | "
-                         f"{comments.get(f.name, '').replace('|', '/')} |")
+            yield section.name, f, getattr(getattr(cfg, section.name), f.name), default, comments.get(f.name, "")
+
+
+def setting_names() -> set[str]:
+    """Every dotted setting name, e.g. "train.lr"."""
+    return {f"{section}.{f.name}" for section, f, *_ in _settings(RunConfig())}
+
+
+def commented_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML that load_config reads back, every setting with its documentation and,
+    where the value differs from it, its default (`tailrace config`)."""
+    lines: list[str] = []
+    current = ""
+    for section, f, value, default, doc in _settings(cfg):
+        if section != current:
+            lines += [""] * bool(lines) + [f"[{section}]"]
+            current = section
+        note = doc if value == default else f"{doc} (default: {_inline(default)})"
+        lines.append(f"{f.name} = {_inline(value)}  # {note}")
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, generated from the dataclasses above."""
+    lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
+    for section, f, _, default, doc in _settings(RunConfig()):
+        lines.append(f"| `{section}.{f.name}` | `{_inline(default)}` | {doc.replace('|', '/')} |")
     return "\n".join(lines)

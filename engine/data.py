@@ -1,15 +1,18 @@
 """Prompt sources for the trainer's controller: built-in synthetic tasks, JSONL and Parquet files, and
 Hugging Face `datasets` when installed. Each row becomes a PromptRecord with token ids.
 
-A source has a position (prompts consumed so far) that checkpoints store, so `--resume` continues at
-the same prompt. Prompts whose tokens leave no room for max_new_tokens in the model's context are
-skipped and counted (`skipped_too_long`), never handed out. Test: pytest tests/engine/test_data.py
+A source has a position (rows consumed so far, counted over all epochs) that checkpoints store, so
+`--resume` continues at the same prompt, also inside an epoch. File data is read data.epochs times, each
+epoch in file order or, with data.shuffle, in an order drawn from data.seed and the epoch number (so a
+resumed run sees the same order). Prompts whose tokens leave no room for max_new_tokens in the model's
+context are skipped and counted (`skipped_too_long`), never handed out. Test: pytest tests/engine/test_data.py
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import random
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +43,17 @@ def _rows_parquet(path: Path) -> Iterator[dict[str, Any]]:
     yield from table.to_pylist()
 
 
-def _rows_hf(spec: str) -> Iterator[dict[str, Any]]:
+def _rows_hf(spec: str) -> Iterable[dict[str, Any]]:
+    """A `datasets` Dataset: iterable, and with len() and random access."""
     try:
         import datasets
     except ImportError:
         raise ValueError("data.source: hf:NAME needs the `datasets` package: pip install datasets") from None
     name, _, split = spec.partition(":")
-    yield from datasets.load_dataset(name, split=split or "train")
+    return datasets.load_dataset(name, split=split or "train")
 
 
-def file_rows(cfg: DataConfig) -> Iterator[dict[str, Any]]:
+def file_rows(cfg: DataConfig) -> Iterable[dict[str, Any]]:
     if cfg.source.startswith("hf:"):
         return _rows_hf(cfg.source[3:])
     path = Path(cfg.source)
@@ -67,6 +71,12 @@ def _scalar_metadata(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
             if k != prompt_field and (v is None or isinstance(v, str | int | float | bool))}
 
 
+def _row_table(cfg: DataConfig) -> Sequence[dict[str, Any]]:
+    """Every row of a file source, with random access (a `datasets` Dataset already has it)."""
+    rows = file_rows(cfg)
+    return rows if hasattr(rows, "__getitem__") else list(rows)
+
+
 class PromptSource:
     """Iterator of PromptRecord from the configured source, starting at `position`."""
 
@@ -76,7 +86,26 @@ class PromptSource:
         self.max_prompt_tokens = max_prompt_tokens
         self.position = position
         self.skipped_too_long = 0
-        self._rows = self._synthetic_rows() if cfg.source == "synthetic" else self._file_rows(file_rows(cfg))
+        self.num_rows: int | None = None  # rows per epoch; None for the endless synthetic stream
+        if cfg.source == "synthetic":
+            self._rows = self._synthetic_rows()
+        else:
+            table = _row_table(cfg)
+            self.num_rows = len(table)
+            self._rows = self._epoch_rows(table)
+
+    @property
+    def epochs_done(self) -> int:
+        """Complete passes over the file data so far (0 for synthetic data)."""
+        return self.position // self.num_rows if self.num_rows else 0
+
+    def exhausted_text(self) -> str:
+        """Why the source ended, for the run's stop reason."""
+        epochs = self.cfg.epochs
+        if self.num_rows is None:
+            return "data exhausted"
+        return (f"data exhausted after {epochs} epoch{'s' if epochs != 1 else ''} of {self.num_rows} prompts "
+                f"(data.epochs = {epochs})")
 
     def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
         from tailrace.engine.tasks import synthetic_prompts
@@ -84,10 +113,18 @@ class PromptSource:
         for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
             yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
 
-    def _file_rows(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        for _ in range(self.position):  # files have no random access in general; skip what was used
-            next(rows, None)
-        yield from rows
+    def _epoch_rows(self, table: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        n = len(table)
+        if n == 0:
+            return
+        epoch, offset = divmod(self.position, n)
+        while epoch < self.cfg.epochs:
+            order = list(range(n))
+            if self.cfg.shuffle:
+                random.Random(f"{self.cfg.seed}/{epoch}").shuffle(order)
+            for i in order[offset:]:
+                yield table[i]
+            epoch, offset = epoch + 1, 0
 
     def __iter__(self) -> PromptSource:
         return self

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.config import RunConfig, TrainerConfig, load_config, to_toml
+from tailrace.engine import preflight, report
+from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
@@ -124,14 +125,18 @@ class Launcher:
         trainer.start(self.env)
         self.children.append(trainer)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not endpoint.is_file():
-            if not trainer.alive():
-                raise RuntimeError(f"the trainer exited during start-up (code {trainer.proc.returncode}):\n"
-                                   f"{trainer.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s:\n{trainer.tail()}")
-            time.sleep(0.1)
-        return trainer, json.loads(endpoint.read_text())
+        try:
+            while not endpoint.is_file():
+                if not trainer.alive():
+                    raise RuntimeError(f"the trainer exited during start-up (code {trainer.proc.returncode}):\n"
+                                       f"{trainer.tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s:\n{trainer.tail()}")
+                time.sleep(0.1)
+            return trainer, json.loads(endpoint.read_text())
+        except BaseException:  # also Ctrl-C during start-up: nothing of ours keeps running
+            self.stop_all()
+            raise
 
     def start_peers(self, address: str) -> None:
         logs = self.run_dir / "logs"
@@ -157,8 +162,8 @@ class Launcher:
         """How to attach a reward server for data.task, with this run's keys when CURVE is on."""
         argv = ["tailrace", "reward", "--connect", address, "--fn", "module:function", "--tasks", self.cfg.data.task,
                 *(["--name", "reward-0", *self.key_args("reward-0")] if self.keys is not None else [])]
-        return (f"tailrace run: reward.mode = servers: no reward server is started; attach yours (rows with "
-                f"another task need a server for it):\n  {' '.join(argv)}")
+        return (f"tailrace run: reward.mode = servers: no reward server is started (rows with another task "
+                f"need a server for it too); attach a reward server with:\n  {' '.join(argv)}")
 
     def supervise_once(self, trainer: Child) -> bool:
         """One supervision pass; False when the run is over."""
@@ -277,19 +282,78 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
             await asyncio.gather(progress, return_exceptions=True)
 
 
+def _prepare(args: Any, overrides: list[str]) -> tuple[RunConfig, bool]:
+    """The run's config, checked before anything starts: (config, whether it is a DPO run)."""
+    data = config_data(args.config, overrides)
+    cfg = from_dict(RunConfig, data)
+    if cfg.train.algorithm == "dpo":
+        return cfg, True
+    if "bind" not in data.get("trainer", {}):  # not set by the user: a free port, so runs can share a machine
+        cfg.trainer.bind = "tcp://127.0.0.1:0"
+    if not cfg.trainer.run_name:
+        cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    if args.resume and not (run_dir / "checkpoint").is_dir():
+        raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
+    preflight.check_model_path(cfg.model.path)
+    preflight.check_bind_free(cfg.trainer.bind)
+    return cfg, False
+
+
+def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
+    cfg, address = launcher.cfg, endpoint["address"]
+    for warning in endpoint.get("warnings", []):
+        print(f"tailrace run: warning: {warning}", file=sys.stderr)
+    print(f"tailrace run: trainer at {address}; starting {cfg.launch.num_generators} generators"
+          + (" and a reward server" if launcher.starts_reward_server() else ""))
+    if cfg.reward.mode == "servers":
+        print(launcher.attach_hint(address), flush=True)
+    else:
+        print("tailrace run: attach a reward server with: "
+              + report.attach_line(address, cfg.data.task, curve=launcher.keys is not None), flush=True)
+
+
+def _say_finished(run_dir: Path) -> None:
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        print("tailrace run: " + json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
+        print(f"tailrace run: {report.summary_line(summary)}")
+
+
 def main(args: Any, overrides: list[str]) -> int:
-    cfg = load_config(args.config, overrides)
-    if cfg.train.algorithm == "dpo":  # one role: nothing to launch or supervise beside the trainer
+    cfg, dpo = _prepare(args, overrides)
+    if dpo:  # one role: nothing to launch or supervise beside the trainer
         from tailrace.engine.trainer.main import main as trainer_main
 
         print("tailrace run: train.algorithm = dpo: training on data.source in this process, no generators "
               "or reward servers", flush=True)
         return trainer_main(args, overrides)
-    if cfg.trainer.bind == TrainerConfig().bind and not any(o.startswith("--trainer.bind") for o in overrides):
-        cfg.trainer.bind = "tcp://127.0.0.1:0"  # a free port: several runs can share a machine
-    if not cfg.trainer.run_name:
-        cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    try:
+        with preflight.removed_if_start_fails(run_dir):  # the trainer's log tail is printed first
+            launcher = _set_up(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+            trainer, endpoint = launcher.start_trainer()
+    except RuntimeError as exc:
+        print(f"tailrace run: {exc}", file=sys.stderr)
+        return 1
+    from tailrace.protocol.transport import run
+
+    try:
+        _say_started(launcher, endpoint)
+        launcher.start_peers(endpoint["address"])
+        run(_run_async(launcher, trainer, endpoint["address"]))
+    except RuntimeError as exc:
+        print(f"tailrace run: {exc}", file=sys.stderr)
+        launcher.failed = True
+    finally:
+        launcher.stop_all()
+    _say_finished(run_dir)
+    return 1 if launcher.failed else 0
+
+
+def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool) -> Launcher:
+    """The run folder (logs, CURVE keys, the children's launch.toml) and its Launcher."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     keys = None
     if cfg.trainer.curve_secret_key_file:
@@ -299,25 +363,5 @@ def main(args: Any, overrides: list[str]) -> int:
         cfg.trainer.curve_clients_file = str(keys.allow_list)
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
-    from tailrace.protocol.transport import run
-
-    launcher = Launcher(cfg, config_path, run_dir, resume=args.resume, progress=not args.no_progress, keys=keys)
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")
-    try:
-        trainer, endpoint = launcher.start_trainer()
-        print(f"tailrace run: trainer at {endpoint['address']}; starting {cfg.launch.num_generators} generators"
-              + (" and a reward server" if launcher.starts_reward_server() else ""))
-        if cfg.reward.mode == "servers":
-            print(launcher.attach_hint(endpoint["address"]), flush=True)
-        launcher.start_peers(endpoint["address"])
-        run(_run_async(launcher, trainer, endpoint["address"]))
-    except RuntimeError as exc:
-        print(f"tailrace run: {exc}", file=sys.stderr)
-        launcher.failed = True
-    finally:
-        launcher.stop_all()
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        print("tailrace run: " + json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
-    return 1 if launcher.failed else 0
+    return Launcher(cfg, config_path, run_dir, resume=resume, progress=progress, keys=keys)

@@ -8,6 +8,8 @@ Test: pytest tests/engine/test_backend.py
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,8 @@ def load_model(path_or_name: str | Path, dtype: Any = "float32", device: Any = "
 
     path = resolve_model_path(path_or_name)
     torch_dtype = _torch_dtype(dtype)
-    check_supported(AutoConfig.from_pretrained(path))
+    with _one_line_load_errors(path):
+        check_supported(AutoConfig.from_pretrained(path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -76,7 +79,20 @@ def load_tokenizer(path_or_name: str | Path):
     """The tokenizer saved with a checkpoint ("tiny" for the shipped one)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path_or_name))
+    path = resolve_model_path(path_or_name)
+    with _one_line_load_errors(path):
+        return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _one_line_load_errors(path: str) -> Iterator[None]:
+    """transformers' OSError for a folder or Hub id it cannot load (not found, no network) as one line
+    naming model.path."""
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model.path: cannot load {path!r}: {first}") from None
 
 
 def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:

@@ -51,7 +51,7 @@ class PairSource:
         self.skipped_too_long = 0
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = [eos] if isinstance(eos, int) else []
-        self._rows = file_rows(cfg)
+        self._rows = iter(file_rows(cfg))
         for _ in range(position):  # files have no random access in general; skip what was used
             next(self._rows, None)
 

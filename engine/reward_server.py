@@ -4,12 +4,15 @@ Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.tasks:s
 The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
 Without --tasks the server registers the function's `tasks` attribute when it has one (the built-in
 tasks' `score` does), else "*" (every task).
+Started before its trainer, it waits for one (saying so every few seconds), for --connect-timeout-s
+seconds or, by default, until the trainer comes up.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,9 @@ def load_function(spec: str) -> Any:
 
 def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
+    from tailrace.engine.report import connect_failed
     from tailrace.protocol.reward_sdk import serve
-    from tailrace.protocol.transport import ConnectionLost, read_key, run
+    from tailrace.protocol.transport import ConnectionLost, ConnectTimeout, Rejected, read_key, run
 
     fn = load_function(args.fn)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
@@ -41,7 +45,11 @@ def main(args: Any, overrides: list[str]) -> int:
     try:
         run(serve(fn, args.connect, tasks=tasks, name=args.name or None, max_concurrency=args.max_concurrency,
                   timeout_s=args.timeout_s, curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),
-                  curve_secret_key=read_key(args.curve_key, "--curve-key")))
+                  curve_secret_key=read_key(args.curve_key, "--curve-key"),
+                  connect_timeout_s=args.connect_timeout_s or math.inf))
+    except (ConnectTimeout, Rejected) as exc:
+        print(connect_failed("reward", args.connect, exc, args.connect_timeout_s), file=sys.stderr)
+        return 1
     except ConnectionLost as exc:
         print(f"tailrace reward: lost the trainer at {args.connect}: {exc}", file=sys.stderr)
         return 1

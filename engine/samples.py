@@ -40,6 +40,7 @@ class TrainSample:
     vocabulary, so the truncated importance weight exp(logp_prox - behaviour_logp) corrects for staleness,
     truncation and backend numerics alike.
     policy_versions: int64 [T], the policy version that sampled each token (a rollout can span updates).
+    reward_details: the other named numbers of a {"reward": r, "exact": e} reward (logged, not trained on).
     advantage: set by the learner from the group's rewards (GRPO) when it is given groups.
     """
 
@@ -53,6 +54,7 @@ class TrainSample:
     advantage: float = 0.0
     temperature: float = 1.0
     finish_reason: str = "stop"
+    reward_details: dict[str, float] = field(default_factory=dict)  # the reward dict's other entries (logged)
 
     def __post_init__(self) -> None:
         # as_tensor accepts lists and numpy arrays (decoded wire frames are int32 numpy views).

@@ -99,14 +99,18 @@ class Client(Endpoint):
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def connect(self, timeout_s: float = 10.0, *, retry_for_s: float = 0.0) -> Welcome:
+    async def connect(self, timeout_s: float = 10.0, *, retry_for_s: float = 0.0,
+                      waiting_every_s: float = 0.0) -> Welcome:
         """Say Hello and wait for Welcome, `timeout_s` per attempt. A refused or unanswered Hello is
         tried again on a fresh socket, with backoff and a log line saying why, until `retry_for_s` has
-        passed (a protocol version mismatch never is). Raises Rejected or ConnectTimeout (and closes)."""
+        passed (math.inf: until it is answered; a protocol version mismatch never is retried). With
+        `waiting_every_s`, "waiting for a trainer at ADDR" is logged one second after the first Hello
+        and then this often, until the Welcome. Raises Rejected or ConnectTimeout (and closes)."""
         if self._dealer is not None:
             raise RuntimeError("connect() was already called")
         deadline_s = time.monotonic() + retry_for_s
         backoff_s = RETRY_FIRST_S
+        waiting = asyncio.create_task(self._say_waiting(waiting_every_s, retry_for_s)) if waiting_every_s > 0 else None
         try:
             while True:
                 try:
@@ -116,17 +120,30 @@ class Client(Endpoint):
                     wait_s = min(backoff_s, deadline_s - time.monotonic())
                     if getattr(exc, "code", 0) == ErrorCode.VERSION_MISMATCH or wait_s <= 0:
                         raise
-                    log.warning("%s %r: handshake with %s failed (%s); trying again in %.1f s", self.hello.role,
-                                self.hello.name, self.address, exc, wait_s)
+                    quiet = waiting is not None and isinstance(exc, ConnectTimeout)  # said by _say_waiting
+                    log.log(logging.DEBUG if quiet else logging.WARNING, "%s %r: handshake with %s failed (%s); "
+                            "trying again in %.1f s", self.hello.role, self.hello.name, self.address, exc, wait_s)
                     await self._drop_dealer()
                     await asyncio.sleep(wait_s * random.uniform(0.8, 1.0))
                     backoff_s = min(RETRY_MAX_S, 2 * backoff_s)
         except BaseException:
             await self.close()
             raise
+        finally:
+            if waiting is not None:
+                waiting.cancel()
         self._last_seen_s = time.monotonic()
         self._spawn(self._heartbeat_loop(), "client-heartbeat")
         return welcome
+
+    async def _say_waiting(self, every_s: float, retry_for_s: float) -> None:
+        started_s = time.monotonic()
+        until = "until it answers" if retry_for_s == float("inf") else f"giving up after {retry_for_s:g} s"
+        await asyncio.sleep(min(1.0, every_s))
+        while True:
+            log.warning("%s %r: waiting for a trainer at %s (%.0f s so far; %s)", self.hello.role, self.hello.name,
+                        self.address, time.monotonic() - started_s, until)
+            await asyncio.sleep(every_s)
 
     async def _handshake(self, timeout_s: float) -> Welcome:
         self._welcomed = asyncio.get_running_loop().create_future()

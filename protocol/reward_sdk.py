@@ -143,10 +143,11 @@ class _Scorer:
 async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",), name: str | None = None,
                 max_concurrency: int = 16, timeout_s: float = 60.0, curve_server_key: bytes | None = None,
                 curve_secret_key: bytes | None = None, context: Any = None, connect_timeout_s: float = 60.0,
-                on_welcome: Callable[[Welcome], None] | None = None) -> str:
+                on_welcome: Callable[[Welcome], None] | None = None, waiting_every_s: float = 10.0) -> str:
     """Connect to the trainer at `address` as a reward server for `tasks` ("*" = any) and answer
     ScoreRequests until the trainer says Shutdown (returns its reason). A refused or unanswered Hello is
-    retried with backoff for `connect_timeout_s`. Raises transport.ConnectionLost when the trainer
+    retried with backoff for `connect_timeout_s` (math.inf: until a trainer answers), saying "waiting for a
+    trainer at ADDR" every `waiting_every_s` meanwhile (0: silent). Raises transport.ConnectionLost when the trainer
     disappears, Rejected / ConnectTimeout when it cannot join."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -188,7 +189,8 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
 
     stats = None
     try:
-        welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s)
+        welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s,
+                                       waiting_every_s=waiting_every_s)
         log.info("reward server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)

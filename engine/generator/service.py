@@ -39,6 +39,7 @@ log = logging.getLogger("tailrace.generator")
 EXHAUSTED_RETRY_S = 2.0  # after "no more work", how long until asking again
 CONNECT_TIMEOUT_S = 10.0  # one handshake attempt (a loaded trainer answers within a heartbeat or two)
 CONNECT_RETRY_S = 120.0  # refused or unanswered handshakes are retried, with backoff, for this long
+WAITING_EVERY_S = 10.0  # while no trainer answers, "waiting for a trainer at ADDR" this often
 DRAFTER_STEPS_PER_TURN = 64  # drafter training steps per idle turn (each yields to arriving work)
 DRAFTER_PUBLISH_STEPS = 200  # spot-training steps between announcing our drafter to the trainer
 
@@ -120,13 +121,14 @@ def torch_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> Any:
 class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
                  make_backend: BackendFactory | None = None,
-                 curve_secret_key: bytes | None = None):
+                 curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S):
         import torch
 
         from tailrace.engine import models
 
         self.cfg = cfg
         self.address = address
+        self.connect_for_s = connect_for_s  # math.inf: wait for the trainer however long it takes
         self.name = name or f"gen-{os.getpid()}"
         self.curve_server_key, self.curve_secret_key = curve_server_key, curve_secret_key
         model_path = cfg.model.path or "tiny"
@@ -173,7 +175,8 @@ class GeneratorService:
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
         async with self.client:
-            welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=CONNECT_RETRY_S)
+            welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=self.connect_for_s,
+                                                waiting_every_s=WAITING_EVERY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
             recv = asyncio.create_task(self.recv_loop(), name="recv")
             recv.add_done_callback(lambda _: self.wakeup.set())  # an idle main loop must see it end

@@ -2,6 +2,7 @@
 
     ROOT/step_000012/  config.json, model*.safetensors (save_pretrained), tokenizer files (if given),
                        optimizer.pt, scheduler.pt, rng_rank{R}.pt, trainer_state.json (written last)
+    ROOT/latest        a relative symlink to the newest step_N: from_pretrained("ROOT/latest") loads it
 
 A checkpoint is written into ROOT/.tmp-step_N and renamed into place, so a crash never leaves a
 half-written step_N; only the newest `keep_last` are kept. The .pt files are our own local files, never
@@ -26,6 +27,7 @@ from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import Learner
 
 PREFIX = "step_"
+LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 
@@ -94,10 +96,19 @@ def save(
         }
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         _replace_dir(tmp, final)
+        _point_latest(root, final.name)
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """ROOT/latest -> name, replaced atomically (a reader sees the old or the new checkpoint, never none)."""
+    tmp = root / f".tmp-{LATEST}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name, target_is_directory=True)
+    os.replace(tmp, root / LATEST)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -7,6 +7,9 @@ reward functions (engine/tasks.py) for the rest.
 A completion only a server can score waits up to reward.wait_for_server_s for one, also when its server
 leaves mid-request (a restarted server takes over); `waiting` counts them per task for the watchdog.
 
+A reward function or server may return a dict, {"reward": r, "exact": e}: score_with_details gives its
+other entries too, which the trainer logs per step (trainer/reward/details/<key>, mean and count).
+
 A completion that cannot be scored raises ScoringFailed with the reason the controller counts it
 under (reward_error, reward_timeout, reward_nan, no_reward_server, no_reward_fn). Test: pytest tests/engine/test_scoring.py
 """
@@ -53,6 +56,11 @@ class RewardDispatcher:
         return self.router is not None and self.router.has_server(task)
 
     async def score(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+        return (await self.score_with_details(task, prompt, completion, metadata))[0]
+
+    async def score_with_details(self, task: str, prompt: str, completion: str,
+                                 metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        """(reward, the other named numbers the function returned)."""
         if self.cfg.mode != "builtin" and (self.cfg.mode == "servers" or task not in self.builtin):
             return await self._score_waiting(task, prompt, completion, metadata)
         if self.cfg.mode == "auto" and self._has_server(task):
@@ -65,7 +73,8 @@ class RewardDispatcher:
                 return reward
         return self._score_builtin(task, prompt, completion, metadata)
 
-    async def _score_waiting(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+    async def _score_waiting(self, task: str, prompt: str, completion: str,
+                             metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
         """Only a server can score `task`: wait up to reward.wait_for_server_s for one, also when the
         server scoring it goes away mid-request (a restarted server takes over), then give up."""
         wait_s = self.cfg.wait_for_server_s
@@ -89,7 +98,8 @@ class RewardDispatcher:
         raise ScoringFailed("no_reward_server", f"task {task!r}: no reward server scored it within "
                                                 f"reward.wait_for_server_s = {wait_s:g} s")
 
-    def _score_builtin(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+    def _score_builtin(self, task: str, prompt: str, completion: str,
+                       metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
         fn = self.builtin.get(task)
         if fn is None:
             where = "no reward server scores it" if self.cfg.mode != "builtin" else "no built-in function"
@@ -102,7 +112,8 @@ class RewardDispatcher:
         self.num_scored["builtin"] += 1
         return reward
 
-    async def _score_remote(self, task: str, prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+    async def _score_remote(self, task: str, prompt: str, completion: str,
+                            metadata: dict[str, Any]) -> tuple[float, dict[str, float]]:
         from tailrace.protocol.reward_sdk import RewardUnavailable, ScoreFailed
 
         try:
@@ -112,12 +123,23 @@ class RewardDispatcher:
             raise ScoringFailed("reward_timeout" if exc.code == 504 else "reward_error", str(exc)) from exc
         except RewardUnavailable as exc:
             raise ServerGone(str(exc)) from exc
-        return _check_reward(score.reward)
+        return _check_reward(score.reward)[0], dict(score.details)
 
 
-def _check_reward(reward: Any) -> float:
+def _check_reward(reward: Any) -> tuple[float, dict[str, float]]:
+    """(reward, details) of a built-in function's float or {"reward": r, ...} dict, checked as a reward
+    server checks its function's (protocol/reward_sdk.py to_reply)."""
+    details: dict[str, float] = {}
+    if isinstance(reward, dict):
+        from tailrace.protocol.messages import ScoreError
+        from tailrace.protocol.reward_sdk import to_reply
+
+        reply = to_reply(0, {**reward, "reward": 0.0} if "reward" in reward else reward)  # checks the details
+        if isinstance(reply, ScoreError):
+            raise ScoringFailed("reward_error", reply.text)
+        reward, details = reward["reward"], reply.details
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise ScoringFailed("reward_error", f"reward must be a number, got {type(reward).__name__}")
     if not math.isfinite(reward):
         raise ScoringFailed("reward_nan", f"reward is {reward}")
-    return float(reward)
+    return float(reward), details

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import models
+from tailrace.engine import models, preflight, report
 from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
@@ -64,6 +64,20 @@ LearnerFactory = Callable[..., Learner]
 can put modelled compute there (tools/benches/modelled.py)."""
 
 
+def reward_detail_metrics(groups: list[Any]) -> dict[str, float]:
+    """trainer/reward/details/<key> (mean) and <key>_count over the samples of a step whose reward
+    function returned that key."""
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for sample in (s for g in groups for s in g.samples):
+        for key, value in sample.reward_details.items():
+            values[key].append(value)
+    out: dict[str, float] = {}
+    for key, vs in sorted(values.items()):
+        out[f"trainer/reward/details/{key}"] = statistics.fmean(vs)
+        out[f"trainer/reward/details/{key}_count"] = len(vs)
+    return out
+
+
 class TrainerService:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None,
                  make_learner: LearnerFactory | None = None):
@@ -72,6 +86,9 @@ class TrainerService:
         self.run_id = self.run_dir.name
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
+        self.warnings = [w for w in (preflight.round_trip_warning(self.tokenizer, cfg.model.path),) if w]
+        for warning in self.warnings:  # also in endpoint.json, which `tailrace run` prints from
+            log.warning("%s", warning)
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
         model.train()
         ref = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device) \
@@ -170,10 +187,14 @@ class TrainerService:
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
             self.store.publish("policy", self.learner.policy_version, self.learner.state_dict_for_broadcast())
-            (self.run_dir / "endpoint.json").write_text(json.dumps(
+            endpoint = self.run_dir / "endpoint.json"  # renamed into place: `tailrace run` reads it at once
+            endpoint.with_suffix(".tmp").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
-                 "pid": os.getpid()}))
-            log.info("trainer listening on %s (run %s)", self.server.address, self.run_id)
+                 "pid": os.getpid(), "warnings": self.warnings}))
+            os.replace(endpoint.with_suffix(".tmp"), endpoint)
+            log.info("trainer listening on %s (run %s); attach a reward server with: %s", self.server.address,
+                     self.run_id, report.attach_line(self.server.address, self.cfg.data.task,
+                                                     curve=bool(cfg.curve_secret_key_file)))
             self.state = "idle"
             net = asyncio.create_task(self.net_loop(), name="net")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
@@ -208,7 +229,8 @@ class TrainerService:
                     and not self.controller.queue:
                 batch = self.controller.pop_final() or None
                 if batch is None:
-                    self.request_stop("no more work: prompts exhausted or every group was discarded")
+                    self.request_stop(self.source.exhausted_text() if self.controller.source_exhausted
+                                      else "no more work: every group was discarded")
                     break
             if batch is None:
                 self.changed.clear()
@@ -248,7 +270,8 @@ class TrainerService:
             "trainer/batch/samples": len(rewards),
             "trainer/batch/completion_tokens": sum(g.num_completion_tokens for g in groups),
             "trainer/policy_version": self.learner.policy_version,
-        } | self.controller.stats()
+            "trainer/data/epochs_done": self.source.epochs_done,
+        } | reward_detail_metrics(groups) | self.controller.stats()
         self.sink.log(self.learner.step_count, metrics)
         self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
@@ -375,13 +398,14 @@ class TrainerService:
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
         try:
-            reward = await self.rewards.score(prompt.task, prompt.text, completion, prompt.metadata)
+            reward, details = await self.rewards.score_with_details(prompt.task, prompt.text, completion,
+                                                                    prompt.metadata)
             temperature = self.cfg.sampling.temperature or 1.0
             sample = TrainSample(group_id=msg.group_id, sample_id=msg.sample_id, prompt_ids=prompt.token_ids,
                                  completion_ids=msg.completion_token_ids.clone(),
                                  behaviour_logprobs=msg.behaviour_logprobs.clone(),
                                  policy_versions=msg.policy_versions.clone(), reward=reward,
-                                 temperature=temperature, finish_reason=msg.finish_reason)
+                                 temperature=temperature, finish_reason=msg.finish_reason, reward_details=details)
         except ScoringFailed as exc:
             self.controller.on_discard(msg.group_id, msg.sample_id, exc.reason)
             self.counters[f"discarded/{exc.reason}"] += 1
@@ -561,8 +585,8 @@ class TrainerService:
 
     def finish(self) -> dict[str, Any]:
         self.controller.check_accounting()
-        self.save_checkpoint()
-        summary = self.summary()
+        folder = self.save_checkpoint()
+        summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
         if (spans := self.spans.drain()) is not None:

@@ -108,6 +108,13 @@ def test_checkpoint_loads_with_transformers(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     for name, tensor in learner.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    learner.step(batches(2)[1])
+    checkpoint.save(tmp_path, learner, data_position={})
+    newest = AutoModelForCausalLM.from_pretrained(tmp_path / "latest")  # what README tells a user to load
+    for name, tensor in learner.model.state_dict().items():
+        assert torch.equal(newest.state_dict()[name], tensor), name
+    assert (tmp_path / "latest").resolve() == (tmp_path / "step_000002").resolve()
+    assert checkpoint.latest(tmp_path).name == "step_000002"  # latest is not a checkpoint of its own
     # (AutoTokenizer would pick Qwen2's tokenizer class from config.json, which this toy vocabulary is not.)
     assert PreTrainedTokenizerFast.from_pretrained(folder)("t3 t5")["input_ids"] == [3, 5]
 

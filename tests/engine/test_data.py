@@ -43,3 +43,37 @@ def test_bad_sources_are_clear_errors(tmp_path):
     bad.write_text("{not json}\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         next(PromptSource(DataConfig(source=str(bad)), CharTokenizer(), max_prompt_tokens=10))
+
+
+def _numbered_file(tmp_path, n):
+    path = tmp_path / "n.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_file_data_is_read_data_epochs_times_then_says_so(tmp_path):
+    cfg = DataConfig(source=_numbered_file(tmp_path, 3), epochs=2)
+    source = PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100)
+    got = [p.text for p in source]
+    assert got == ["p0", "p1", "p2"] * 2 and source.epochs_done == 2
+    assert [p.prompt_id for p in PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100)] == list(range(6))
+    assert source.exhausted_text() == "data exhausted after 2 epochs of 3 prompts (data.epochs = 2)"
+
+
+def test_shuffled_epochs_differ_follow_the_seed_and_resume_inside_an_epoch(tmp_path):
+    cfg = DataConfig(source=_numbered_file(tmp_path, 20), epochs=2, shuffle=True, seed=7)
+    full = [p.text for p in PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100)]
+    first, second = full[:20], full[20:]
+    assert sorted(first) == sorted(second) == sorted(f"p{i}" for i in range(20))
+    assert first != second and first != [f"p{i}" for i in range(20)]
+    assert full == [p.text for p in PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100)]
+    other_seed = DataConfig(source=cfg.source, epochs=2, shuffle=True, seed=8)
+    assert full != [p.text for p in PromptSource(other_seed, CharTokenizer(), max_prompt_tokens=100)]
+    for position in (5, 20, 27):  # inside the first epoch, at the boundary, inside the second
+        resumed = PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100, position=position)
+        assert [p.text for p in resumed] == full[position:]
+
+
+def test_data_epochs_must_be_positive():
+    with pytest.raises(ValueError, match="data.epochs"):
+        DataConfig(epochs=0)

@@ -62,7 +62,7 @@ class FlakyRouter:
         if self.calls == 1:
             self.gone_at = time.monotonic()
             raise RewardUnavailable("reward server r0 died with the request in flight")
-        return SimpleNamespace(reward=0.75)
+        return SimpleNamespace(reward=0.75, details={"exact": 1.0})
 
 
 @pytest.mark.parametrize("mode", ["servers", "auto"])
