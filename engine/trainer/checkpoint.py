@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from tailrace.engine.trainer import dist
+from tailrace.engine.trainer import dist, ranks
 from tailrace.engine.trainer.learner import Learner
 
 PREFIX = "step_"
@@ -72,6 +72,7 @@ def save(
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
     root = Path(root)
+    learner = ranks.for_all_ranks(learner, root, keep_last)  # rank 0 of several: the others join the save
     final = root / checkpoint_name(learner.step_count)
     tmp = root / f".tmp-{final.name}"
     if dist.is_rank0():

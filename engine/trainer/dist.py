@@ -186,7 +186,10 @@ def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True) -> 
             fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
         fully_shard(model, **kwargs)
         for module in fsdp_modules(model):
-            module.set_gradient_divide_factor(1.0)  # each rank's loss carries the step-wide normaliser: sum
+            # Each rank's loss carries the step-wide normaliser, so gradients are summed, with a plain SUM
+            # (gloo has no PREMUL_SUM).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
         # FSDP warns when a unit returns a view (the replay's keys/values are transposes); nothing
         # modifies those in place, and replay detaches them before its descendants use them.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

@@ -156,7 +156,8 @@ class TrainerService:
 
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
-            self.store.publish("policy", self.learner.policy_version, self.learner.state_dict_for_broadcast())
+            weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
+            self.store.publish("policy", self.learner.policy_version, weights)
             (self.run_dir / "endpoint.json").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
                  "pid": os.getpid()}))
@@ -241,7 +242,8 @@ class TrainerService:
 
     async def publish_weights(self) -> None:
         version = self.learner.policy_version
-        notice = self.store.publish("policy", version, self.learner.state_dict_for_broadcast())
+        weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # gathered across ranks
+        notice = self.store.publish("policy", version, weights)
         self.controller.on_new_version(version)
         for peer in list(self.server.peers.values()):
             if peer.role == "generator":

@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--die-at-step", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--adam-eps", type=float, default=1e-8)
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -78,7 +80,7 @@ def main() -> int:
     from tailrace.engine.trainer.loss import LossConfig
 
     dist.init_from_env(timeout_s=args.timeout_s)
-    config = LearnerConfig(lr=1e-2, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
+    config = LearnerConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
                            lr_schedule="linear", total_steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
                            loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s))
     learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)), config)
