@@ -102,6 +102,15 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place element-wise maximum across ranks; returns the tensor."""
+    if world_size() > 1:
+        on_device = tensor.to(_comm_device())
+        tdist.all_reduce(on_device, op=tdist.ReduceOp.MAX)
+        tensor.copy_(on_device)
+    return tensor
+
+
 def all_reduce_stats_(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sum a dict of scalar statistics across ranks; a key some rank lacks (a strategy it did not run)
     counts as 0 there."""
@@ -172,8 +181,8 @@ def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True) -> 
     (and activation checkpointing) are installed. Returns the model (sharded in place)."""
     layers = list(model.get_decoder().layers)
     checkpointed = train and config.activation_checkpointing
-    if checkpointed and hasattr(model, "gradient_checkpointing_enable"):  # the HF forward (naive strategy)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointed and hasattr(model, "activation_checkpointing_enable"):  # the HF forward (naive strategy)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if world_size() > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard

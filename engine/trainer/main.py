@@ -97,5 +97,5 @@ def _run_ranks(cfg: Any, resume: bool, make_learner: Any, rank: int) -> dict | N
     latest = checkpoint.latest(run_dir / "checkpoint") if resume else None
     if latest is not None:
         checkpoint.load(latest, learner)
-    ranks.follow(learner)
+    ranks.follow(learner, checkpoint.save)
     return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +129,9 @@ def for_all_ranks(learner: Any, root: Path, keep_last: int) -> Any:
     return learner.before_checkpoint(root, keep_last) if isinstance(learner, Leader) else learner
 
 
-def follow(learner: Any) -> int:
-    """A follower's loop: rank 0's commands until STOP. Returns the number of steps trained."""
-    from tailrace.engine.trainer import checkpoint
-
+def follow(learner: Any, save_checkpoint: Callable[..., Any]) -> int:
+    """A follower's loop: rank 0's commands until STOP (save_checkpoint is checkpoint.save, passed in
+    because checkpoint.py calls for_all_ranks). Returns the number of steps trained."""
     while True:
         kind, batch, arg, path = _receive()
         if kind == Command.STEP:
@@ -140,7 +139,7 @@ def follow(learner: Any) -> int:
         elif kind == Command.WEIGHTS:
             learner.state_dict_for_broadcast()
         elif kind == Command.CHECKPOINT:
-            checkpoint.save(path, learner, data_position={}, keep_last=arg)
+            save_checkpoint(path, learner, data_position={}, keep_last=arg)
         else:
             log.info("rank %d: stop after %d steps", dist.rank(), learner.step_count)
             return learner.step_count

@@ -5,7 +5,8 @@
 Trains a tiny model (float64 or float32) for --steps optimizer steps on fixed batches of unequal groups
 whose split across ranks is uneven (the last batch is one group: rank 1 has only its zero-weight unit),
 optionally saving a DCP checkpoint after --save-at steps or resuming from --resume. Rank 0 writes the
-full weights after every step and the served state dict to OUT (torch.save). --die-at-step N makes rank 1
+served weights (rank 0's gathered state dict) before training and after every step to OUT
+(torch.save). --die-at-step N makes rank 1
 exit hard in the middle of step N (after its forward, before the gradient reduction).
 """
 
@@ -57,7 +58,7 @@ def batches():
             [group(3, 6, 5)]]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replay", default="replay")
     ap.add_argument("--dtype", default="float64")
@@ -71,7 +72,11 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--adam-eps", type=float, default=1e-8)
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mixed-precision", default="auto")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--cpu-offload", action="store_true")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
     from tailrace.engine.config import FSDPConfig
@@ -82,13 +87,18 @@ def main() -> int:
     dist.init_from_env(timeout_s=args.timeout_s)
     config = LearnerConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
                            lr_schedule="linear", total_steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
-                           loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s))
-    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)), config)
+                           loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s,
+                                                                         mixed_precision=args.mixed_precision,
+                                                                         activation_checkpointing=args.activation_checkpointing,
+                                                                         cpu_offload=args.cpu_offload))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config)
     if args.die_at_step:
         _die_in_step(learner, args.die_at_step)
     if args.resume:
         checkpoint.load(args.resume, learner)
-    out: dict = {"steps": [], "grad_norms": []}
+    out: dict = {"steps": [], "grad_norms": [], "initial": learner.state_dict_for_broadcast()}
     for i, batch in enumerate(batches()[: args.steps]):
         if i < learner.step_count:
             continue  # trained before the checkpoint
