@@ -188,6 +188,9 @@ def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True) -> 
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         device = next(model.parameters()).device
+        if config.cpu_offload and device.type == "cpu":
+            raise ValueError("train.fsdp.cpu_offload: the model already lives in CPU memory (model.device = cpu); "
+                             "offload moves a GPU model's shards to the CPU")
         mesh = init_device_mesh(device.type, (world_size(),))
         kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config, device),
                       offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy())

@@ -13,7 +13,7 @@ Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/dra
 fetches and republishes them.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
-protocol (engine/trainer/dist.py). Test: pytest tests/engine/test_end_to_end.py
+protocol; the other ranks follow it (engine/trainer/ranks.py). Test: pytest tests/engine/test_end_to_end.py
 """
 
 from __future__ import annotations

@@ -104,10 +104,11 @@ def test_two_ranks_train_and_serve_as_one_and_checkpoints_reshard(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replay", ["naive", "packed"])
-def test_two_ranks_equal_one_rank_float64(tmp_path, replay):
-    one = _train(tmp_path, "one", "--replay", replay, "--arch", "llama", nproc=1)
-    two = _train(tmp_path, "two", "--replay", replay, "--arch", "llama", nproc=2)
+@pytest.mark.parametrize("replay,checkpointing", [("naive", False), ("packed", False), ("replay", True)])
+def test_two_ranks_equal_one_rank_float64(tmp_path, replay, checkpointing):
+    args = ("--replay", replay, "--arch", "llama")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, *(["--activation-checkpointing"] if checkpointing else []), nproc=2)
     for a, b in zip(one["steps"], two["steps"], strict=True):
         assert _max_rel_err(a, b) < 1e-10
 
@@ -184,3 +185,6 @@ def test_two_gpu_ranks_with_nccl_equal_one(tmp_path):
         assert _max_rel_err(a, b) < 1e-5
     bf16 = _train(tmp_path, "bf16", "--device", "cuda", "--dtype", "float32", "--mixed-precision", "bf16", nproc=2)
     assert all(0 < n < float("inf") for n in bf16["grad_norms"])  # bf16 parameters, fp32 reduction
+    offload = _train(tmp_path, "offload", *args, "--cpu-offload", nproc=2)
+    for a, b in zip(one["steps"], offload["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-5

@@ -93,11 +93,14 @@ def _forked(target, quick: bool, out_dir: str, name: str) -> dict:
 
 def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
     if ranks > 1:  # the same step on 1 and on `ranks` trainer ranks (tools/benches/scale_ranks.py)
+        from tailrace.engine.replay.trie import build_trie
+        from tailrace.engine.samples import flatten_samples
         from tools.benches import scale_ranks
 
-        size = SIZES[quick]
-        log(f"{size['groups']} groups of {size['group_size']}, {size['prompt_len']}-token prompts: 1 rank vs {ranks}")
-        return scale_ranks.run(quick, ranks, log)
+        trie = build_trie(flatten_samples(scale_groups(quick)))
+        log(f"{trie.num_logical_tokens:,} logical / {trie.num_unique_tokens:,} unique tokens: 1 rank vs {ranks}")
+        return {"logical_tokens": trie.num_logical_tokens, "unique_tokens": trie.num_unique_tokens,
+                **scale_ranks.run(quick, ranks, log)}
     import torch  # noqa: F401  (imported once; the forked workers share it)
 
     from tailrace.engine.replay.forward import activation_bytes_per_token
