@@ -1,7 +1,7 @@
 """The `tailrace` command: one subcommand per process role, plus `run` (all roles on this machine).
 
     tailrace run [--config FILE] [--section.name VALUE ...]
-    tailrace trainer --config FILE [--resume] [--section.name VALUE ...]
+    tailrace trainer --config FILE [--resume] [--nproc N] [--section.name VALUE ...]
     tailrace generator --connect ADDR [--name NAME] [--config FILE] [--section.name VALUE ...]
     tailrace reward --connect ADDR --fn module:function [--tasks a,b] [--max-concurrency N]
     tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                              "score, train, publish weights, checkpoint. " + OVERRIDES_HELP)
     trainer.add_argument("--config", help="TOML run config")
     trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    trainer.add_argument("--nproc", type=int, default=1,
+                         help="trainer ranks on this machine: starts torchrun, FSDP2-sharded (default 1)")
 
     gen = sub.add_parser("generator", help="a sampler on the built-in torch backend", epilog=SETTINGS_EPILOG,
                          description="Connect to a trainer, pull work, stream finished samples, take new "

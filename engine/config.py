@@ -96,6 +96,22 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True)
+class FSDPConfig:
+    """Sharding of the trainer under torchrun (engine/trainer/dist.py); ignored on one rank."""
+
+    reshard_after_forward: bool = True  # free gathered parameters after forward-only passes (reference model); a training step keeps them gathered
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA)
+    mixed_precision: str = "auto"  # auto (bf16 parameters, fp32 reduction on CUDA; model dtype on CPU) | bf16 | off
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    collective_timeout_s: float = 300.0  # a collective that waits longer (a dead or stuck rank) raises
+
+    def __post_init__(self):
+        _check(self.mixed_precision in ("auto", "bf16", "off"), "train.fsdp.mixed_precision",
+               f"{self.mixed_precision!r} is not one of auto, bf16, off")
+        _check(self.collective_timeout_s > 0, "train.fsdp.collective_timeout_s", "must be > 0")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     algorithm: str = "grpo"  # grpo: RL on generated, scored groups; dpo: preference pairs from data.source, no generators
     steps: int = 150  # optimizer steps of the run
@@ -116,6 +132,7 @@ class TrainConfig:
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     seed: int = 0  # torch / numpy / python seeds of the trainer
     dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # sharding across trainer ranks
 
     def __post_init__(self):
         _check(self.algorithm in ("grpo", "dpo"), "train.algorithm", f"{self.algorithm!r} is not one of grpo, dpo")
@@ -201,9 +218,11 @@ class LaunchConfig:
     on_child_crash: str = "stop"  # stop | restart
     max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes
+    trainer_ranks: int = 1  # trainer processes (torchrun --nproc-per-node), sharded with FSDP2
 
     def __post_init__(self):
         _check(self.num_generators >= 1, "launch.num_generators", "must be >= 1")
+        _check(self.trainer_ranks >= 1, "launch.trainer_ranks", "must be >= 1")
         _check(self.on_child_crash in ("stop", "restart"), "launch.on_child_crash",
                f"{self.on_child_crash!r} is not one of stop, restart")
 
@@ -365,15 +384,24 @@ def _field_comments(cls: type) -> dict[str, str]:
 def _settings(cfg: RunConfig) -> Iterator[tuple[str, dataclasses.Field, Any, Any, str]]:
     """(section, field, value in cfg, default, documentation) of every setting, in file order."""
     for section in dataclasses.fields(RunConfig):
-        cls = typing.get_type_hints(RunConfig)[section.name]
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            yield section.name, f, getattr(getattr(cfg, section.name), f.name), default, comments.get(f.name, "")
+        yield from _table(section.name, typing.get_type_hints(RunConfig)[section.name], getattr(cfg, section.name))
+
+
+def _table(name: str, cls: type, values: Any) -> Iterator[tuple[str, dataclasses.Field, Any, Any, str]]:
+    """One table's settings; a nested table (train.fsdp) follows as section "train.fsdp"."""
+    comments, nested = _field_comments(cls), []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            nested.append((f, type(default)))
+            continue
+        yield name, f, getattr(values, f.name), default, comments.get(f.name, "")
+    for f, table_cls in nested:
+        yield from _table(f"{name}.{f.name}", table_cls, getattr(values, f.name))
 
 
 def setting_names() -> set[str]:
-    """Every dotted setting name, e.g. "train.lr"."""
+    """Every dotted setting name, e.g. "train.lr", "train.fsdp.cpu_offload"."""
     return {f"{section}.{f.name}" for section, f, *_ in _settings(RunConfig())}
 
 

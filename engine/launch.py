@@ -120,7 +120,8 @@ class Launcher:
     def start_trainer(self) -> tuple[Child, dict[str, Any]]:
         endpoint = self.run_dir / "endpoint.json"
         endpoint.unlink(missing_ok=True)
-        argv = self.cli("trainer", "--config", str(self.config_path), *(["--resume"] if self.resume else []))
+        argv = self.cli("trainer", "--config", str(self.config_path), *(["--resume"] if self.resume else []),
+                        *(["--nproc", str(self.cfg.launch.trainer_ranks)] if self.cfg.launch.trainer_ranks > 1 else []))
         trainer = Child("trainer", argv, self.run_dir / "logs" / "trainer.log")
         trainer.start(self.env)
         self.children.append(trainer)

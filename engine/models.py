@@ -106,3 +106,14 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
         elif source is not None:
             ids.update(int(t) for t in source)
     return sorted(ids)
+
+
+RUN_METHOD = "tailrace_run"
+"""Name of the method engine/trainer/dist.shard_model installs on the root and every decoder layer."""
+
+
+def run_as_forward(module: Any, fn: Any, *args: Any) -> Any:
+    """fn(*args) as module's forward: under FSDP2 the module's unshard and gradient hooks run around it (and
+    activation checkpointing, when enabled); a plain module just calls fn."""
+    method = getattr(module, RUN_METHOD, None)
+    return fn(*args) if method is None else method(fn, *args)

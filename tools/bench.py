@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--timeline", default="", help="pipeline: write each mode's timeline (tools/timeline.py) into DIR")
+    parser.add_argument("--ranks", type=int, default=1, help="scale: also the same step on this many trainer ranks")
     args = parser.parse_args(argv)
     if args.list or not args.name:
         print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(f"[{args.name} {time.perf_counter() - start:6.1f}s] {text}", flush=True)
 
-    extra = {"timeline": Path(args.timeline)} if args.timeline else {}
+    extra = ({"timeline": Path(args.timeline)} if args.timeline else {}) | ({"ranks": args.ranks} if args.ranks > 1 else {})
     figures = {"bench": args.name, **run(quick=args.quick, log=log, **extra), "quick": args.quick,
                "wall_s": round(time.perf_counter() - start, 2)}
     width = max(map(len, figures))

@@ -4,7 +4,8 @@ Branch-replay runs one trie segment (tokens at path depths start..start+L-1) aga
 keys/values of its ancestors; packed mode runs the unique tokens of whole tries as one sequence with a
 tree mask. Both call the model's own submodules (projections, q/k norms, MLP, RMSNorms, rotary
 embedding), so weights and numerics are the model's; only which keys a query sees differs from a plain
-forward. Families: Llama, Mistral, Qwen2, Qwen3 (GQA, RoPE, sliding windows measured along the path).
+forward. Each call runs as the forward of the root and each layer as its layer's (models.run_as_forward),
+so FSDP2's unshard and gradient hooks see it. Families: Llama, Mistral, Qwen2, Qwen3 (GQA, RoPE, sliding windows measured along the path).
 Test: pytest tests/engine/test_replay.py
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailrace.engine.models import SUPPORTED_MODEL_TYPES
+from tailrace.engine.models import SUPPORTED_MODEL_TYPES, run_as_forward
 from tailrace.engine.replay.attention import SegmentRows, paths_attention
 from tailrace.kernels.logprobs import chunked_logprobs
 from tailrace.kernels.tree_attention import TRITON_DTYPES
@@ -36,6 +37,7 @@ class DecoderSpec:
     """A validated model: its decoder parts and attention shapes. windows: per layer, the sliding window
     (a query at depth d sees keys at depths > d - window) or None."""
 
+    root: nn.Module
     decoder: nn.Module
     lm_head: nn.Module
     num_heads: int
@@ -88,7 +90,7 @@ def decoder_spec(model: nn.Module) -> DecoderSpec:
             odd_modules = sorted(children ^ _LAYER_CHILDREN | attn_children ^ want_attn)
             raise _unsupported(model_type, f"layer {i} has modules {odd_modules} that replay does not know")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return DecoderSpec(decoder=decoder, lm_head=model.get_output_embeddings(),
+    return DecoderSpec(root=model, decoder=decoder, lm_head=model.get_output_embeddings(),
                        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
                        head_dim=head_dim, qk_norm=qk_norm, windows=_windows(config, len(decoder.layers)))
 
@@ -149,12 +151,16 @@ def _layer(spec: DecoderSpec, i: int, h_LD: torch.Tensor, cos: torch.Tensor, sin
     """One decoder layer; attend(i, q, k, v) -> [H, L, hd] supplies the attention pattern.
     Returns the new hidden state and this layer's keys/values (for descendants)."""
     layer = spec.decoder.layers[i]
-    attn = layer.self_attn
-    q, k, v = _qkv(spec, attn, layer.input_layernorm(h_LD), cos, sin)
-    o = attend(i, q, k, v)
-    h_LD = h_LD + attn.o_proj(o.transpose(0, 1).reshape(h_LD.shape[0], -1))
-    h_LD = h_LD + layer.mlp(layer.post_attention_layernorm(h_LD))
-    return h_LD, k, v
+
+    def body(h_LD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        attn = layer.self_attn
+        q, k, v = _qkv(spec, attn, layer.input_layernorm(h_LD), cos, sin)
+        o = attend(i, q, k, v)
+        h_LD = h_LD + attn.o_proj(o.transpose(0, 1).reshape(h_LD.shape[0], -1))
+        h_LD = h_LD + layer.mlp(layer.post_attention_layernorm(h_LD))
+        return h_LD, k, v
+
+    return run_as_forward(layer, body, h_LD, cos, sin)
 
 
 def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor,
@@ -179,14 +185,17 @@ def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tenso
         ext = ([a[i][0] for a in external], [a[i][1] for a in external]) if external else None
         return paths_attention(q, k, v, segments, scale=spec.scale, window=window, external=ext, masks=masks)
 
-    h = spec.decoder.embed_tokens(tokens_N)
-    cos, sin = rope(spec, h, depth_N)
-    keys, values = [], []
-    for i in range(spec.num_layers):
-        h, k, v = _layer(spec, i, h, cos, sin, attend)
-        keys.append(k)
-        values.append(v)
-    return spec.decoder.norm(h), keys, values
+    def body(tokens_N: torch.Tensor, depth_N: torch.Tensor):
+        h = spec.decoder.embed_tokens(tokens_N)
+        cos, sin = rope(spec, h, depth_N)
+        keys, values = [], []
+        for i in range(spec.num_layers):
+            h, k, v = _layer(spec, i, h, cos, sin, attend)
+            keys.append(k)
+            values.append(v)
+        return spec.decoder.norm(h), keys, values
+
+    return run_as_forward(spec.root, body, tokens_N, depth_N)
 
 
 def segment_forward(spec: DecoderSpec, tokens_L: torch.Tensor, start_depth: int,
@@ -210,8 +219,11 @@ def row_logprobs(spec: DecoderSpec, hidden_UD: torch.Tensor, labels_U: torch.Ten
                  *, chunk_rows: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and detached entropies) of labels under softmax(lm_head(hidden) / temperature), a chunk
     of rows at a time, never [U, V] at once (kernels/logprobs.py)."""
-    out = chunked_logprobs(hidden_UD, spec.lm_head.weight, labels_U, bias_V=getattr(spec.lm_head, "bias", None),
-                           temperature=temperature_U, chunk_size=chunk_rows, return_entropy=with_entropy)
+    def body(hidden_UD: torch.Tensor, labels_U: torch.Tensor):  # temperatures stay out of mixed precision's cast
+        return chunked_logprobs(hidden_UD, spec.lm_head.weight, labels_U, bias_V=getattr(spec.lm_head, "bias", None),
+                                temperature=temperature_U, chunk_size=chunk_rows, return_entropy=with_entropy)
+
+    out = run_as_forward(spec.root, body, hidden_UD, labels_U)
     if not with_entropy:
         return out, None
     return out[0], out[1].detach()

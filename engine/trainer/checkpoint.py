@@ -1,12 +1,15 @@
 """Checkpoints that resume a run exactly and that `transformers` loads as a model.
 
-    ROOT/step_000012/  config.json, model*.safetensors (save_pretrained), tokenizer files (if given),
-                       optimizer.pt, scheduler.pt, rng_rank{R}.pt, trainer_state.json (written last)
+    ROOT/step_000012/  dcp/ (torch.distributed.checkpoint: model + optimizer, sharded, one file per rank),
+                       config.json, model*.safetensors (save_pretrained of the full model, for transformers),
+                       tokenizer files (if given), scheduler.pt, rng_rank{R}.pt, trainer_state.json (last)
     ROOT/latest        a relative symlink to the newest step_N: from_pretrained("ROOT/latest") loads it
 
-A checkpoint is written into ROOT/.tmp-step_N and renamed into place, so a crash never leaves a
-half-written step_N; only the newest `keep_last` are kept. The .pt files are our own local files, never
-network input, and are still read with weights_only=True. Test: pytest tests/engine/test_checkpoint.py
+Every rank calls save and load. DCP stores each tensor's shards with their global layout, so a checkpoint
+saved on N ranks resumes on M (2 -> 1, 1 -> 2). A checkpoint is written into ROOT/.tmp-step_N and
+renamed into place, so a crash never leaves a half-written step_N; only the newest `keep_last` are kept.
+The .pt files are our own local files, never network input, and are still read with weights_only=True.
+Test: pytest tests/engine/test_checkpoint.py tests/engine/test_dist.py
 """
 
 from __future__ import annotations
@@ -16,20 +19,23 @@ import os
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from tailrace.engine.trainer import dist
+from tailrace.engine.trainer import dist, ranks
 from tailrace.engine.trainer.learner import Learner
 
 PREFIX = "step_"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+DCP_DIR = "dcp"
 
 
 def checkpoint_name(step: int) -> str:
@@ -68,6 +74,7 @@ def save(
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
     root = Path(root)
+    learner = ranks.for_all_ranks(learner, root, keep_last)  # rank 0 of several: the others join the save
     final = root / checkpoint_name(learner.step_count)
     tmp = root / f".tmp-{final.name}"
     if dist.is_rank0():
@@ -76,14 +83,14 @@ def save(
         tmp.mkdir()
     dist.barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{dist.rank()}.pt")
+    _dcp(dcp.save, _dcp_state(learner), tmp / DCP_DIR)
+    full = learner.state_dict_for_broadcast() if dist.world_size() > 1 else None  # a collective
     if dist.is_rank0():
-        learner.model.save_pretrained(tmp)
+        learner.model.save_pretrained(tmp, state_dict=full)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        state = learner.state_dict()
-        torch.save(state["optimizer"], tmp / "optimizer.pt")
-        torch.save(state["scheduler"], tmp / "scheduler.pt")
-    dist.barrier()  # every rank's RNG file is in tmp before it becomes visible
+        torch.save(learner.scheduler.state_dict(), tmp / "scheduler.pt")
+    dist.barrier()  # every rank's files are in tmp before it becomes visible
     if dist.is_rank0():
         trainer_state = {
             "format_version": FORMAT_VERSION,
@@ -135,19 +142,36 @@ def load(folder: str | os.PathLike, learner: Learner) -> dict[str, Any]:
     trainer_state = json.loads(state_path.read_text())
     if trainer_state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint: format_version {trainer_state.get('format_version')} != {FORMAT_VERSION}")
-    load_model_weights(learner.model, folder)
-    learner.load_state_dict({
-        "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True),
-        "scheduler": torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True),
-        "step_count": trainer_state["step"],
-        "policy_version": trainer_state["policy_version"],
-    })
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(learner)
+    _dcp(dcp.load, state, folder / DCP_DIR)
+    set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    learner.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True))
+    learner.step_count = int(trainer_state["step"])
+    learner.policy_version = int(trainer_state["policy_version"])
     rng_path = folder / f"rng_rank{dist.rank()}.pt"
     # A run resumed on more ranks than it was saved with has no RNG state for the new ranks; they keep
     # their seeded streams (the run continues, just not bit for bit).
     if rng_path.is_file():
         _set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True))
     return trainer_state
+
+
+def _dcp_state(learner: Learner) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name (sharded DTensors under FSDP2, plain otherwise),
+    the layout DCP saves and reshards on load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(learner.model, learner.optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _dcp(fn: Any, state: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():  # one process without a process group is the intended world size 1
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        fn(state, checkpoint_id=path)
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:

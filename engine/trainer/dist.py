@@ -1,22 +1,41 @@
-"""torch.distributed helpers for the trainer: world size 1 without initialising anything, torchrun when present.
+"""torch.distributed for the trainer: the process group, FSDP2 sharding, the per-step gather/reduce, partitions.
 
-The learner is written against these helpers so that multi-device training is configuration, not a
-rewrite: every rank gets the whole step's batch (rank 0 receives it from the protocol and broadcasts
-it), trains its shard with the step-wide loss normaliser, and gradients are summed across ranks. At world
-size 1 every collective is a no-op. Tested at world size 1 through tests/engine/test_learner.py.
+    init_from_env()     world size 1 without initialising anything; under torchrun the default group (gloo on
+                        CPU, NCCL on CUDA) with train.fsdp.collective_timeout_s, plus a command group whose
+                        waits are unbounded (followers idle there between steps; engine/trainer/ranks.py)
+    shard_model()       fully_shard per decoder layer, then the root; MixedPrecisionPolicy, CPU offload,
+                        activation checkpointing; gradients are summed across ranks (divide factor 1)
+    gathered(model)     a training step: every FSDP unit all-gathered once, gradients accumulate locally
+    reduce_gradients()  ends it: one zero-weight forward/backward with gradient sync on, so every rank runs
+                        the same reduce-scatters whatever its strategy did, then everything reshards
+
+Why one gather per step: branch-replay's depth-first order of forwards and backwards depends on each rank's
+tries, so per-layer collectives would not line up across ranks; gathering once makes a rank's local work
+free of collectives. Parameters and optimizer state stay sharded between steps. Test:
+pytest tests/engine/test_dist.py (real ranks under torchrun, gloo)
 """
 
 from __future__ import annotations
 
+import datetime
 import os
-from collections.abc import Callable, Sequence
+import types
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as tdist
+from torch import nn
+
+from tailrace.engine.config import FSDPConfig
+from tailrace.engine.models import RUN_METHOD
 
 T = TypeVar("T")
+_COMMAND_TIMEOUT = datetime.timedelta(days=365)  # followers wait for rank 0's next step this long
+_command_group: Any = None
 
 
 @dataclass(frozen=True)
@@ -26,11 +45,12 @@ class DistInfo:
     local_rank: int = 0
 
 
-def init_from_env(backend: str | None = None) -> DistInfo:
+def init_from_env(backend: str | None = None, *, timeout_s: float = 300.0) -> DistInfo:
     """Join the process group that torchrun describes in the environment; world size 1 otherwise.
 
     Only WORLD_SIZE > 1 initialises anything, so a plain `python` run never needs a rendezvous.
     """
+    global _command_group
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistInfo()
@@ -40,8 +60,14 @@ def init_from_env(backend: str | None = None) -> DistInfo:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        tdist.init_process_group(backend=backend)
+        tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _command_group = tdist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
     return DistInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank)
+
+
+def command_group() -> Any:
+    """The gloo group for rank 0's commands and batches (CPU tensors, no deadline)."""
+    return _command_group
 
 
 def is_initialized() -> bool:
@@ -65,6 +91,10 @@ def barrier() -> None:
         tdist.barrier()
 
 
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     """In-place sum across ranks; returns the tensor."""
     if world_size() > 1:
@@ -72,58 +102,166 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_grads_(parameters: Sequence[torch.nn.Parameter]) -> None:
-    """Sum gradients across ranks (each rank's loss already carries the step-wide normaliser, so the sum
-    is the full-batch gradient; averaging would divide it by the world size)."""
-    if world_size() == 1:
-        return
-    for p in parameters:
-        if p.grad is None:  # a rank with an empty shard (or an unused parameter) still joins the sum
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in parameters]
-    # One flat buffer keeps this to a single collective per step.
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tdist.all_reduce(flat, op=tdist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place element-wise maximum across ranks; returns the tensor."""
+    if world_size() > 1:
+        on_device = tensor.to(_comm_device())
+        tdist.all_reduce(on_device, op=tdist.ReduceOp.MAX)
+        tensor.copy_(on_device)
+    return tensor
 
 
 def all_reduce_stats_(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sum a dict of scalar statistics across ranks (keys must match on every rank)."""
+    """Sum a dict of scalar statistics across ranks; a key some rank lacks (a strategy it did not run)
+    counts as 0 there."""
     if world_size() == 1:
         return stats
-    keys = sorted(stats)
-    flat = torch.stack([stats[k].to(torch.float64).reshape(()) for k in keys])
-    if tdist.get_backend() == "nccl":
-        flat = flat.cuda()
+    names: list[Any] = [None] * world_size()
+    tdist.all_gather_object(names, sorted(stats))  # the trainer's own key strings, never network data
+    keys = sorted(set().union(*names))
+    zero = torch.zeros((), dtype=torch.float64)
+    flat = torch.stack([stats.get(k, zero).to(torch.float64).reshape(()) for k in keys]).to(_comm_device())
     tdist.all_reduce(flat, op=tdist.ReduceOp.SUM)
     return {k: v.cpu() for k, v in zip(keys, flat.unbind(0), strict=True)}
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank src's object on every rank (trainer-internal data only: this pickles, never use it on
-    anything that came from the network before it was validated and rebuilt)."""
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def shard(items: Sequence[T], cost: Callable[[T], int], rank_: int, world_size_: int) -> list[T]:
-    """This rank's share of items, balanced by cost: longest first onto the least loaded rank.
+def partition(items: Sequence[T], cost: Callable[[T], float], world_size_: int) -> list[list[T]]:
+    """items split into world_size_ parts balanced by cost: costliest first onto the least loaded rank.
 
     Deterministic (ties broken by index) so every rank computes the same assignment without talking.
-    Keeps the original order within a shard.
+    Keeps the original order within a part.
     """
-    if world_size_ == 1:
-        return list(items)
-    loads = [0] * world_size_
+    loads = [0.0] * world_size_
     owner = [0] * len(items)
-    for i in sorted(range(len(items)), key=lambda i: (-cost(items[i]), i)):
+    costs = [cost(item) for item in items]
+    for i in sorted(range(len(items)), key=lambda i: (-costs[i], i)):
         r = min(range(world_size_), key=lambda r: (loads[r], r))
         owner[i] = r
-        loads[r] += cost(items[i])
-    return [item for i, item in enumerate(items) if owner[i] == rank_]
+        loads[r] += costs[i]
+    return [[item for i, item in enumerate(items) if owner[i] == r] for r in range(world_size_)]
+
+
+def shard(items: Sequence[T], cost: Callable[[T], float], rank_: int, world_size_: int) -> list[T]:
+    """This rank's part of partition(items, cost, world_size_)."""
+    return list(items) if world_size_ == 1 else partition(items, cost, world_size_)[rank_]
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+
+
+def _run(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _run_checkpointed(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _install_run(module: nn.Module, checkpointed: bool = False) -> None:
+    """module.<RUN_METHOD>(fn, *args) runs fn as that module's forward: FSDP's unshard and gradient hooks
+    fire around it (engine/models.run_as_forward), which calling submodules directly would skip."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(module, RUN_METHOD, types.MethodType(_run_checkpointed if checkpointed else _run, module))
+    register_fsdp_forward_method(module, RUN_METHOD)
+
+
+def mixed_precision_policy(config: FSDPConfig, device: torch.device) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and device.type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # the model's own dtype throughout (float32 or float64 on the CPU)
+
+
+def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True) -> nn.Module:
+    """fully_shard each decoder layer, then the root, over all ranks; at world size 1 only the run methods
+    (and activation checkpointing) are installed. Returns the model (sharded in place)."""
+    layers = list(model.get_decoder().layers)
+    checkpointed = train and config.activation_checkpointing
+    if checkpointed and hasattr(model, "activation_checkpointing_enable"):  # the HF forward (naive strategy)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if world_size() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        device = next(model.parameters()).device
+        if config.cpu_offload and device.type == "cpu":
+            raise ValueError("train.fsdp.cpu_offload: the model already lives in CPU memory (model.device = cpu); "
+                             "offload moves a GPU model's shards to the CPU")
+        mesh = init_device_mesh(device.type, (world_size(),))
+        kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config, device),
+                      offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy())
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        fully_shard(model, **kwargs)
+        for module in fsdp_modules(model):
+            # Each rank's loss carries the step-wide normaliser, so gradients are summed, with a plain SUM
+            # (gloo has no PREMUL_SUM).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        # FSDP warns when a unit returns a view (the replay's keys/values are transposes); nothing
+        # modifies those in place, and replay detaches them before its descendants use them.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for layer in layers:
+        _install_run(layer, checkpointed)
+    _install_run(model)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _set_step_mode(modules: Sequence[Any], in_step: bool, reshard_after_forward: bool) -> None:
+    for m in modules:
+        m.set_requires_gradient_sync(not in_step, recurse=False)
+        m.set_reshard_after_backward(not in_step, recurse=False)
+        m.set_reshard_after_forward(False if in_step or m is modules[-1] else reshard_after_forward, recurse=False)
+
+
+@contextmanager
+def gathered(model: nn.Module, reshard_after_forward: bool = True) -> Iterator[None]:
+    """Inside: every FSDP unit of model is unsharded (one all-gather each, in module order on every rank),
+    nothing reshards and gradients accumulate unreduced. On exit everything reshards; gradients not
+    reduced by reduce_gradients() inside are dropped with the unsharded parameters."""
+    modules = fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    root = modules[0]
+    assert root is model, "the root must be sharded last (shard_model)"
+    modules = modules[1:] + [root]  # the root last, as _set_step_mode expects
+    _set_step_mode(modules, True, reshard_after_forward)
+    try:
+        for m in modules:
+            m.unshard()
+        yield
+    finally:
+        _set_step_mode(modules, False, reshard_after_forward)
+        for m in modules:
+            m.reshard()
+
+
+def reduce_gradients(model: nn.Module, zero_unit: Callable[[], torch.Tensor]) -> None:
+    """Inside gathered(model): reduce-scatter the accumulated gradients (summed over ranks) into the sharded
+    parameters. zero_unit() returns a zero-weight loss that reaches every parameter; its backward, with
+    gradient sync on, runs FSDP's reduce-scatters in the same order on every rank."""
+    modules = fsdp_modules(model)
+    if not modules:
+        return
+    for m in modules:
+        m.set_requires_gradient_sync(True, recurse=False)
+    zero_unit().backward()
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank calls this; rank 0 gets the full state dict on the CPU (others an empty dict). Tensors are
+    gathered one at a time straight to the CPU, so no device holds two full copies."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

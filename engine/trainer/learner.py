@@ -1,8 +1,9 @@
 """The learner: one optimizer step per batch of scored samples, over a Hugging Face causal LM.
 
-    step(batch) -> advantages (GRPO, when given groups) -> shard across ranks -> forward/backward
-    strategy (every completion token once, step-wide loss normaliser) -> all-reduce gradients ->
-    clip -> AdamW -> LR schedule -> policy_version + 1 -> metrics
+    step(batch) -> advantages (GRPO, when given groups) -> whole groups to ranks by cost -> [gathered
+    FSDP units] forward/backward strategy (every completion token once, step-wide loss normaliser) ->
+    zero-weight unit that reduce-scatters the summed gradients -> clip -> AdamW -> LR schedule ->
+    policy_version + 1 -> metrics
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
 micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
@@ -23,8 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from tailrace.engine.config import FSDPConfig
 from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
+from tailrace.engine.models import run_as_forward
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
+from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
@@ -41,7 +45,7 @@ class LearnerConfig:
     lr_schedule: "constant", or "cosine"/"linear" decay from lr to lr * min_lr_ratio at total_steps;
     warmup_steps of linear warmup precede any of them. micro_batch_tokens: padded tokens (rows x longest
     row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
-    replay: forward/backward strategy, a key of STRATEGIES.
+    replay: forward/backward strategy, a key of STRATEGIES. fsdp: sharding under torchrun (dist.shard_model).
     """
 
     lr: float = 1e-6
@@ -59,6 +63,7 @@ class LearnerConfig:
     replay: str = "naive"
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # TOML gives lists
@@ -185,17 +190,22 @@ def collate(samples: Sequence[TrainSample], indices: Sequence[int], device: torc
 def forward_logprobs(
     model: nn.Module, mb: MicroBatch, *, chunk_rows: int, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of a micro-batch's loss rows: decoder forward, then the LM head on those rows only."""
-    out = model.get_decoder()(
-        input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL, position_ids=mb.position_ids_BL,
-        use_cache=False,
-    )
-    hidden_NH = out.last_hidden_state[mb.row_N, mb.col_N]
-    head = model.get_output_embeddings()
-    # Only the loss rows reach the LM head, a chunk at a time (tailrace.kernels.logprobs): at most one
-    # [chunk, V] block of logits is alive, never the [B, T, V] tensor.
-    out = chunked_logprobs(hidden_NH, head.weight, mb.labels_N, bias_V=getattr(head, "bias", None),
-                           temperature=mb.temperature_N, chunk_size=chunk_rows, return_entropy=with_entropy)
+    """Log-probs of a micro-batch's loss rows: decoder forward, then the LM head on those rows only (as the
+    root's forward, so that FSDP2 sees the LM head's use)."""
+
+    def body(input_ids_BL: torch.Tensor):
+        out = model.get_decoder()(
+            input_ids=input_ids_BL, attention_mask=mb.attention_mask_BL, position_ids=mb.position_ids_BL,
+            use_cache=False,
+        )
+        hidden_NH = out.last_hidden_state[mb.row_N, mb.col_N]
+        head = model.get_output_embeddings()
+        # Only the loss rows reach the LM head, a chunk at a time (tailrace.kernels.logprobs): at most one
+        # [chunk, V] block of logits is alive, never the [B, T, V] tensor.
+        return chunked_logprobs(hidden_NH, head.weight, mb.labels_N, bias_V=getattr(head, "bias", None),
+                                temperature=mb.temperature_N, chunk_size=chunk_rows, return_entropy=with_entropy)
+
+    out = run_as_forward(model, body, mb.input_ids_BL)
     if not with_entropy:
         return out, None
     return out[0], out[1].detach()
@@ -269,6 +279,18 @@ STRATEGIES: dict[str, Callable[[LearnerConfig], ForwardBackward]] = {"naive": _n
 # ---------------------------------------------------------------------------------------------- learner
 
 
+def _clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards when sharded); returns the norm before."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm gains (1-D) are not pulled toward zero."""
     decay, no_decay = [], []
@@ -298,7 +320,8 @@ def _batch_metrics(samples: Sequence[TrainSample], normaliser: LossNormaliser, s
 class Learner:
     """Owns the policy model, AdamW, the LR schedule and an optional frozen reference model.
 
-    Every rank constructs one and calls step() with the same whole batch; see engine/trainer/dist.py.
+    Every rank constructs one and calls step() with the same whole batch; see engine/trainer/dist.py. Under
+    torchrun the model (and the reference model) are sharded with FSDP2 here, before AdamW sees them.
     policy_version counts optimizer steps from `initial_policy_version` (the weights it starts with).
     """
 
@@ -317,11 +340,12 @@ class Learner:
             raise ValueError("loss.kl_coef: > 0 needs a reference model")
         _check_plain_lm_head(model)
         seed_everything(config.seed)
-        self.model = model
+        self.model = dist.shard_model(model, config.fsdp)
         self.config = config
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
+            dist.shard_model(ref_model, config.fsdp, train=False)
         self.forward_backward = forward_backward or STRATEGIES[config.replay](config)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -344,15 +368,19 @@ class Learner:
         if not samples:
             raise ValueError("batch: no samples")
         assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
+        # Every rank holds the whole batch, so this normaliser is the step-wide logical count on each.
         normaliser = LossNormaliser.from_samples(samples)
-        mine = dist.shard(samples, lambda s: s.num_tokens, dist.rank(), dist.world_size())
+        mine = flatten_samples(dist.shard(batch, self._unit_cost, dist.rank(), dist.world_size()))
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
-        if mine:
-            loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=self._ref_logprobs(mine))
-            add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
+        ref_logprobs = self._ref_logprobs(mine)
+        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
+            if mine:
+                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
+                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
+            dist.reduce_gradients(self.model, self._zero_weight_loss)
         stats = dist.all_reduce_stats_(stats)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         update = self.apply_gradients()
@@ -366,11 +394,26 @@ class Learner:
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics
 
+    def _unit_cost(self, unit: Group | TrainSample) -> float:
+        """What a group (or bare sample) costs a rank: its unique tokens under the shared-prefix modes."""
+        samples = unit.samples if isinstance(unit, Group) else [unit]
+        if self.config.replay == "naive":
+            return float(sum(s.num_tokens for s in samples))
+        return float(build_trie(samples).num_unique_tokens)
+
+    def _zero_weight_loss(self) -> torch.Tensor:
+        """A one-token forward whose loss is 0 x log-prob: every parameter gets a (zero) gradient."""
+        one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        index = torch.zeros(1, dtype=torch.int64, device=self.device)
+        mb = MicroBatch(one, torch.ones_like(one), one, index, index, index,
+                        torch.ones(1, dtype=torch.float64, device=self.device), index, index)
+        logp_N, _ = forward_logprobs(self.model, mb, chunk_rows=1)
+        return logp_N.sum() * 0.0
+
     def apply_gradients(self) -> dict[str, float]:
-        """All-reduce the accumulated gradients, clip, AdamW, LR schedule, count the step; its metrics."""
-        dist.all_reduce_grads_(self.params)
+        """Clip the (reduced) gradients, AdamW, LR schedule, count the step; its metrics."""
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = _clip_grad_norm(self.params, max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         # A non-finite gradient would poison the weights and Adam's moments for good: skip the update,
         # but keep the step count so schedule, versions and data position stay aligned.
@@ -393,16 +436,21 @@ class Learner:
         }
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
+        """Every rank calls this (the sharded reference model is gathered once, whatever its share)."""
         if self.ref_model is None or self.config.loss.kl_coef == 0.0:
             return None
-        return sample_logprobs(self.ref_model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
-                               chunk_rows=self.config.logprob_chunk_tokens)
+        with dist.gathered(self.ref_model, self.config.fsdp.reshard_after_forward):
+            return sample_logprobs(self.ref_model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
+                                   chunk_rows=self.config.logprob_chunk_tokens) if samples else []
 
     def state_dict_for_broadcast(self) -> dict[str, torch.Tensor]:
         """CPU copy of the weights (name -> tensor) that later optimizer steps cannot change.
 
-        Tied parameters (embedding and LM head) keep both names but share one copy.
+        Tied parameters (embedding and LM head) keep both names but share one copy. Under torchrun every
+        rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict.
         """
+        if dist.world_size() > 1:
+            return dist.gather_full_state_dict(self.model)
         out: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():

@@ -14,7 +14,7 @@ Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/dra
 fetches and republishes them.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
-protocol (engine/trainer/dist.py). Test: pytest tests/engine/test_end_to_end.py
+protocol; the other ranks follow it (engine/trainer/ranks.py). Test: pytest tests/engine/test_end_to_end.py
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ class TrainerService:
 
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
-            self.store.publish("policy", self.learner.policy_version, self.learner.state_dict_for_broadcast())
+            weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
+            self.store.publish("policy", self.learner.policy_version, weights)
             endpoint = self.run_dir / "endpoint.json"  # renamed into place: `tailrace run` reads it at once
             endpoint.with_suffix(".tmp").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
@@ -284,7 +285,8 @@ class TrainerService:
     async def publish_weights(self) -> None:
         version = self.learner.policy_version
         with self.spans.span("weights_gather"):
-            notice = self.store.publish("policy", version, self.learner.state_dict_for_broadcast())
+            weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # gathered across ranks
+        notice = self.store.publish("policy", version, weights)
         self.controller.on_new_version(version)
         for peer in list(self.server.peers.values()):
             if peer.role == "generator":

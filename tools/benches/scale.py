@@ -1,6 +1,6 @@
 """Scale benchmark: one optimizer step over >= 2.1 million logical token positions with a tiny model.
 
-    python tools/bench.py scale [--quick] [--json]
+    python tools/bench.py scale [--quick] [--json] [--ranks N]
 
 Data: 8 GRPO groups of 32 samples, each group one 8192-token prompt with log-normal completion lengths of
 median 64: 2.1M+ logical positions (sum over samples of prompt + completion), ~85k unique. The model is
@@ -12,6 +12,7 @@ and reports its peak RSS; naive_est_step_s = that time x number of samples; naiv
 activations autograd would hold for the whole step's logical tokens at once (per-token activation bytes
 from the model's shapes), naive_micro_batch_memory_mb = the same for the learner's default micro-batch.
 --quick: 2 groups of 8 samples of 2048-token prompts (a smoke run, far below 2.1M).
+--ranks N: the same step on 1 rank and on N FSDP2 ranks instead (tools/benches/scale_ranks.py).
 """
 
 from __future__ import annotations
@@ -90,7 +91,16 @@ def _forked(target, quick: bool, out_dir: str, name: str) -> dict:
     return json.loads(Path(out).read_text())
 
 
-def run(quick: bool, log: Callable[[str], None]) -> dict:
+def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
+    if ranks > 1:  # the same step on 1 and on `ranks` trainer ranks (tools/benches/scale_ranks.py)
+        from tailrace.engine.replay.trie import build_trie
+        from tailrace.engine.samples import flatten_samples
+        from tools.benches import scale_ranks
+
+        trie = build_trie(flatten_samples(scale_groups(quick)))
+        log(f"{trie.num_logical_tokens:,} logical / {trie.num_unique_tokens:,} unique tokens: 1 rank vs {ranks}")
+        return {"logical_tokens": trie.num_logical_tokens, "unique_tokens": trie.num_unique_tokens,
+                **scale_ranks.run(quick, ranks, log)}
     import torch  # noqa: F401  (imported once; the forked workers share it)
 
     from tailrace.engine.replay.forward import activation_bytes_per_token
@@ -132,4 +142,9 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit("run through tools/bench.py: python tools/bench.py scale [--quick] [--json]")
+    if len(sys.argv) >= 3 and sys.argv[1] == "--rank-worker":  # one rank of `--ranks N` (scale_ranks.py)
+        from tools.benches import scale_ranks
+
+        scale_ranks.worker(sys.argv[2], scale_groups("--quick" in sys.argv[3:]), THREADS)
+    else:
+        sys.exit("run through tools/bench.py: python tools/bench.py scale [--quick] [--json] [--ranks N]")
