@@ -30,7 +30,8 @@ BENCHES: dict[str, str] = {
     "spec": "tools.benches.spec:run",  # speculative decoding vs plain at running batch 1/2/4, after drafter training
     "pipeline": "tools.benches.pipeline:run",  # sync vs stream, real and modelled compute: wall time ratio
     "replay": "tools.benches.replay:run",  # branch-replay: naive vs replay vs packed step, efficiency vs FLOP ideal
-    "scale": "tools.benches.scale:run",  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
+    "scale": "tools.benches.scale:run",
+    "backends": "tools.benches.backends:run",  # raw vLLM vs our vLLM backend vs torch backend: tokens/s, update_ms  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
 }
 """NAME -> "module:function"."""
 

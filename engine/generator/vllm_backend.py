@@ -79,7 +79,10 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
                                                     torch.finfo(getattr(torch, dtype)).bits // 8),
                logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
                worker_extension_cls="tailrace.engine.generator.vllm_worker.WeightLoader",
-               download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile)
+               download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile,
+               # vLLM 0.32 on a CPU: a seeded request whose prefill is split over steps crashes the
+               # worker ("CPU Generator does not use offset"), so prompts are prefilled whole.
+               enable_chunked_prefill=False)
 
 
 def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[int], max_tokens: int,
