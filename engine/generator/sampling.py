@@ -24,10 +24,15 @@ from tailrace.protocol.messages import SamplingParams
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, sample_id) pairs over seeds
 
 
-def request_generator(seed: int, sample_id: int) -> torch.Generator:
-    """The CPU generator of one seeded request. The sample id is mixed in because one WorkItem (one
+def sample_seed(seed: int, sample_id: int) -> int:
+    """The seed of one sample of a seeded request. The sample id is mixed in because one WorkItem (one
     seed) yields a whole group: identical streams would give identical samples and zero advantages."""
-    return torch.Generator().manual_seed((seed * _SEED_MIX + sample_id) % (1 << 63))
+    return (seed * _SEED_MIX + sample_id) % (1 << 63)
+
+
+def request_generator(seed: int, sample_id: int) -> torch.Generator:
+    """The CPU generator of one seeded request (see sample_seed)."""
+    return torch.Generator().manual_seed(sample_seed(seed, sample_id))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The generator process: pulls work from the trainer, samples on the torch backend, streams each
+"""The generator process: pulls work from the trainer, samples on its backend (interface.py), streams each
 finished sample at once, and takes new weights between decode steps.
 
     recv loop   consumes Work / Cancel / WeightsNotice / WeightsChunk / Shutdown / Error from the trainer
@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,43 +98,20 @@ def decide(s: GenState) -> Action:
     return Action.WAIT
 
 
-BackendFactory = Callable[[RunConfig, Any, Any], Any]
-"""(run config, loaded model, its tokenizer) -> the backend the service samples on (TorchBackend's
-interface). The service takes one, so that a benchmark can put modelled compute there
-(tools/benches/modelled.py)."""
-
-
-def torch_backend(cfg: RunConfig, model: Any, tokenizer: Any) -> Any:
-    """The built-in torch backend for `model`, tree sampling on where generator.fork_depths asks for it."""
-    from tailrace.engine import models
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.tree import TreeSampling
-
-    fork_depths = cfg.generator.fork_depths
-    tree = TreeSampling(fork_depths=fork_depths, branching=cfg.generator.tree_branching) if fork_depths else None
-    return TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
-                        max_model_len=model.config.max_position_embeddings,
-                        eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device, tree=tree)
-
-
 class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
-                 make_backend: BackendFactory | None = None,
+                 make_backend: Any = None,  # interface.BackendFactory; None: generator.backend
                  curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S):
         import torch
 
-        from tailrace.engine import models
+        from tailrace.engine.generator.interface import load_backend
 
         self.cfg = cfg
         self.address = address
         self.connect_for_s = connect_for_s  # math.inf: wait for the trainer however long it takes
         self.name = name or f"gen-{os.getpid()}"
         self.curve_server_key, self.curve_secret_key = curve_server_key, curve_secret_key
-        model_path = cfg.model.path or "tiny"
-        tokenizer = models.load_tokenizer(model_path)
-        model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.backend = (make_backend or torch_backend)(cfg, model, tokenizer)
+        self.backend = (make_backend or load_backend)(cfg)
         self.spot = None
         self.spot_thread: ThreadPoolExecutor | None = None
         if cfg.generator.speculation:
@@ -143,7 +119,7 @@ class GeneratorService:
             from tailrace.engine.generator.bandit import SpecBandit
             from tailrace.engine.generator.spot import SpotTrainer
 
-            drafter = load_or_create(cfg.generator.drafter_path or None, model)
+            drafter = load_or_create(cfg.generator.drafter_path or None, self.backend.model)
             self.bandit = SpecBandit()
             self.backend.enable_speculation(drafter, self.bandit)
             self.spot = SpotTrainer(drafter)
@@ -170,7 +146,8 @@ class GeneratorService:
     async def run(self) -> str:
         from tailrace.protocol.transport import Client, ConnectionLost
 
-        caps = {"backend": "torch", "vocab_size": self.vocab_size, "max_model_len": self.backend.max_model_len}
+        caps = {"backend": self.backend.name, "vocab_size": self.backend.vocab_size,
+                "max_model_len": self.backend.max_model_len}
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
@@ -195,6 +172,7 @@ class GeneratorService:
                 await asyncio.gather(recv, stats, return_exceptions=True)
                 if self.spot_thread is not None:
                     self.spot_thread.shutdown(wait=False, cancel_futures=True)
+                self.backend.close()
         return self.state.shutdown or ""
 
     def refresh(self) -> None:

@@ -20,7 +20,13 @@ from transformers import (
 from tailrace.engine.generator.backend import TorchBackend
 from tailrace.engine.generator.requests import Request, requests_for
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
-from tailrace.engine.models import SUPPORTED_MODEL_TYPES, TINY_MODEL_PATH, check_supported, load_model
+from tailrace.engine.models import (
+    SUPPORTED_MODEL_TYPES,
+    TINY_MODEL_PATH,
+    cache_kwarg,
+    check_supported,
+    load_model,
+)
 from tailrace.protocol.messages import SamplingParams, WorkItem
 
 torch.set_num_threads(1)
@@ -214,14 +220,14 @@ def test_in_flight_weight_update_keeps_cache_and_stamps_versions():
     # Reference: Hugging Face's cache filled by the old weights, then decoding continued by the new.
     tokens = fin.completion_ids.tolist()
     reference = make_model("qwen3", seed=0)
-    cache = DynamicCache(config=reference.config)
+    cache = {cache_kwarg(reference): DynamicCache(config=reference.config)}
     with torch.no_grad():
-        out = reference(torch.tensor([prompt + tokens[:switch_after - 1]]), cache=cache, use_cache=True)
+        out = reference(torch.tensor([prompt + tokens[:switch_after - 1]]), use_cache=True, **cache)
         assert out.logits[0, len(prompt) - 1:].argmax(-1).tolist() == tokens[:switch_after]
         reference.load_state_dict(new.state_dict())
         expected, last = [], tokens[switch_after - 1]
         for _ in range(8 - switch_after):
-            last = int(reference(torch.tensor([[last]]), cache=cache, use_cache=True).logits[0, -1].argmax())
+            last = int(reference(torch.tensor([[last]]), use_cache=True, **cache).logits[0, -1].argmax())
             expected.append(last)
     assert tokens[switch_after:] == expected
 

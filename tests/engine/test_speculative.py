@@ -20,6 +20,7 @@ from tailrace.engine.generator.kv import SlotKVCache
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
 from tailrace.engine.generator.speculative import FixedDepth, accept_drafts
 from tailrace.engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
+from tailrace.engine.models import cache_kwarg
 from tailrace.protocol.messages import SamplingParams
 from tests.engine.test_backend import greedy_reference, prompts, reference_logits
 from tests.engine.test_backend import run as run_backend
@@ -236,7 +237,7 @@ def row_cache_matches_recompute(model, backend: TorchBackend, row: int, tokens: 
     assert cols.numel() == len(tokens)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.tensor([tokens]), cache=cache, use_cache=True)
+        model(torch.tensor([tokens]), use_cache=True, **{cache_kwarg(model): cache})
     for layer in range(model.config.num_hidden_layers):
         torch.testing.assert_close(kv.keys[layer][row][:, cols], cache.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(kv.values[layer][row][:, cols], cache.layers[layer].values[0],

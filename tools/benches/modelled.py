@@ -1,7 +1,7 @@
 """Modelled compute, for benchmarks: the generator and the trainer sleep for measured costs instead of
 running the model, so a run times the scheduler alone (queues, staleness gate, weights traffic, wire).
 
-    ModelledBackend  the TorchBackend interface; step() sleeps one decode step drawn from the measured
+    ModelledBackend  the Backend interface (engine/generator/interface.py); step() sleeps one decode step drawn from the measured
                      step times of the running batch size (plus prefill of admitted rows) and emits one
                      token per row; each sample's length is drawn from the measured completions of
                      prompts of the nearest length, seeded by (group, sample), so every run of one
@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,9 @@ import torch
 
 from tailrace.engine.cli import parse_args
 from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.generator.interface import torch_backend
 from tailrace.engine.generator.main import main as generator_main
-from tailrace.engine.generator.requests import BackendStats, Finished, Request
-from tailrace.engine.generator.service import torch_backend
+from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.trainer.learner import Learner, LearnerConfig, plan_micro_batches
 from tailrace.engine.trainer.main import main as trainer_main
@@ -188,17 +188,19 @@ def _not_in(stops: set[int], vocab_size: int) -> int:
 
 
 class ModelledBackend:
-    """TorchBackend's interface without the model: each step sleeps a measured decode cost.
+    """The Backend interface without the model: each step sleeps a measured decode cost.
 
     Not thread-safe, like TorchBackend. `real` provides the limits (batch size, context, eos ids,
     vocabulary); its model is never run and its weights are never touched."""
+
+    name = "modelled"
 
     def __init__(self, real: TorchBackend, costs: Costs):
         self.costs = costs
         self.max_batch_size = real.max_batch_size
         self.max_model_len = real.max_model_len
         self.eos_token_ids = list(real.eos_token_ids)
-        self.vocab_size = real._vocab_size
+        self.vocab_size = real.vocab_size
         self.policy_version = real.policy_version
         self.pause_admission = False
         self.stats = BackendStats()
@@ -291,11 +293,14 @@ class ModelledBackend:
         finally:
             self.pause_admission = paused
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, weights: Weights, version: int) -> None:
         """Only the version changes: the modelled generator has no weights to load."""
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
         self.policy_version = version
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def _finished(self, row: _Row, reason: str) -> Finished:
         now = time.monotonic()
@@ -351,14 +356,14 @@ class ModelledLearner(Learner):
 # ------------------------------------------------------------------------------------------ the roles
 
 
-def backend_factory(costs: Costs) -> Callable[[Any, Any, Any], ModelledBackend]:
+def backend_factory(costs: Costs) -> Callable[[Any], ModelledBackend]:
     """GeneratorService's make_backend: a ModelledBackend with the limits of the torch backend the run
     config builds (whose model never runs)."""
 
-    def make(cfg: Any, model: Any, tokenizer: Any) -> ModelledBackend:
+    def make(cfg: Any) -> ModelledBackend:
         if cfg.generator.speculation:
             raise ValueError("generator.speculation: modelled compute does not model speculative decoding")
-        return ModelledBackend(torch_backend(cfg, model, tokenizer), costs)
+        return ModelledBackend(torch_backend(cfg), costs)
 
     return make
 

