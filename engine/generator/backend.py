@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 import torch
 
 from tailrace.engine.generator.kv import SlotKVCache
-from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights, weight_items
+from tailrace.engine.generator.requests import (
+    BackendStats,
+    Finished,
+    Request,
+    Weights,
+    check_request,
+    drain_by_stepping,
+    weight_items,
+)
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
 from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
 from tailrace.engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
@@ -209,17 +217,7 @@ class TorchBackend:
     def add(self, request: Request) -> None:
         """Queue one request; it joins the running batch at a later step(). Raises ValueError for a
         prompt that is empty, leaves no room for a completion token, or holds an id outside the vocab."""
-        prompt = request.prompt_ids
-        if len(prompt) == 0:
-            raise ValueError(f"group {request.group_id} sample {request.sample_id}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"group {request.group_id} sample {request.sample_id}: prompt has {len(prompt)} "
-                             f"tokens, but max_model_len is {self.max_model_len} (prompt plus at least one "
-                             "completion token must fit)")
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= self._vocab_size:
-            raise ValueError(f"group {request.group_id}: prompt token ids must lie in [0, {self._vocab_size}), "
-                             f"got {low if low < 0 else high}")
+        check_request(request, max_model_len=self.max_model_len, vocab_size=self._vocab_size)
         seed = request.sampling.seed
         gen = self._generator if seed is None else request_generator(seed, request.sample_id)
         self._waiting.append(_Seq(request, gen, time.monotonic()))
@@ -265,14 +263,7 @@ class TorchBackend:
 
     def drain(self) -> list[Finished]:
         """Finish every running row without admitting new ones (waiting requests stay queued)."""
-        paused, self.pause_admission = self.pause_admission, True
-        try:
-            out: list[Finished] = []
-            while self._seqs:
-                out += self.step()
-            return out
-        finally:
-            self.pause_admission = paused
+        return drain_by_stepping(self)
 
     @torch.no_grad()
     def update_weights(self, weights: Weights, version: int) -> None:

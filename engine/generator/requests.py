@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,3 +74,31 @@ class BackendStats:
         """Generated tokens per second of backend time (prefill included)."""
         busy_s = self.prefill_s + self.decode_s
         return self.num_generated_tokens / busy_s if busy_s > 0 else 0.0
+
+
+def check_request(request: Request, *, max_model_len: int, vocab_size: int) -> None:
+    """ValueError for a prompt that is empty, leaves no room for a completion token, or holds an id outside
+    the vocabulary: every backend takes exactly the same requests."""
+    prompt = request.prompt_ids
+    if len(prompt) == 0:
+        raise ValueError(f"group {request.group_id} sample {request.sample_id}: empty prompt")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"group {request.group_id} sample {request.sample_id}: prompt has {len(prompt)} "
+                         f"tokens, but max_model_len is {max_model_len} (prompt plus at least one "
+                         "completion token must fit)")
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"group {request.group_id}: prompt token ids must lie in [0, {vocab_size}), "
+                         f"got {low if low < 0 else high}")
+
+
+def drain_by_stepping(backend: Any) -> list[Finished]:
+    """A backend's drain(): step() with admission paused until nothing runs (waiting requests stay queued)."""
+    paused, backend.pause_admission = backend.pause_admission, True
+    try:
+        out: list[Finished] = []
+        while backend.num_running:
+            out += backend.step()
+        return out
+    finally:
+        backend.pause_admission = paused

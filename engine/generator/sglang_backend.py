@@ -28,14 +28,19 @@ from typing import Any
 
 import torch
 
-from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights, weight_items
+from tailrace.engine.generator.requests import (
+    BackendStats,
+    Finished,
+    Weights,
+    weight_items,
+)
 from tailrace.engine.generator.sampling import sample_seed
-from tailrace.engine.generator.vllm_backend import LiveSample
+from tailrace.engine.generator.vllm_backend import EngineQueue, LiveSample
 
 STEP_WAIT_S = 0.05  # step() returns after this long even if nothing finished (the service re-decides)
 
 
-class SGLangBackend:
+class SGLangBackend(EngineQueue):
     """Not thread-safe from outside (one owner); SGLang's coroutines run on self._loop."""
 
     name = "sglang"
@@ -58,26 +63,6 @@ class SGLangBackend:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
         self._thread.start()
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    def capacity(self) -> int:
-        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
-
-    def add(self, request: Request) -> None:
-        prompt = request.prompt_ids
-        if len(prompt) == 0 or len(prompt) >= self.max_model_len:
-            raise ValueError(f"group {request.group_id} sample {request.sample_id}: prompt of {len(prompt)} "
-                             f"tokens does not leave room for a completion in max_model_len {self.max_model_len}")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"group {request.group_id}: prompt token ids must lie in [0, {self.vocab_size})")
-        self._waiting.append(LiveSample(request, time.monotonic()))
 
     def step(self) -> list[Finished]:
         if not self.pause_admission:
@@ -113,15 +98,6 @@ class SGLangBackend:
             out.append(self._finished(self._running.pop(rid), "cancelled"))
         return out
 
-    def drain(self) -> list[Finished]:
-        paused, self.pause_admission = self.pause_admission, True
-        try:
-            out: list[Finished] = []
-            while self._running:
-                out += self.step()
-            return out
-        finally:
-            self.pause_admission = paused
 
     def update_weights(self, weights: Weights, version: int) -> None:
         if version < self.policy_version:

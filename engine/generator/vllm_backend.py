@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights, weight_items
+from tailrace.engine.generator.requests import (
+    BackendStats,
+    Finished,
+    Request,
+    Weights,
+    check_request,
+    drain_by_stepping,
+    weight_items,
+)
 from tailrace.engine.generator.sampling import sample_seed
 from tailrace.protocol.messages import SamplingParams
 
@@ -109,7 +117,38 @@ class LiveSample:
     first_token_s: float = 0.0
 
 
-class VLLMBackend:
+class EngineQueue:
+    """What the engine backends (vLLM, SGLang) share: samples waiting for room in the engine, the running
+    ones by engine request id, and the queries, add() and drain() over them. The subclass sets
+    max_batch_size, max_model_len, vocab_size, pause_admission, _waiting and _running, and steps."""
+
+    max_batch_size: int
+    max_model_len: int
+    vocab_size: int
+    _waiting: deque[LiveSample]
+    _running: dict[str, LiveSample]
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self) -> int:
+        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+
+    def add(self, request: Request) -> None:
+        """Queue one sample; ValueError as TorchBackend.add (empty, too long, outside the vocabulary)."""
+        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        self._waiting.append(LiveSample(request, time.monotonic()))
+
+    def drain(self) -> list[Finished]:
+        return drain_by_stepping(self)
+
+
+class VLLMBackend(EngineQueue):
     """Continuous batching by vLLM. Not thread-safe (one owner, like TorchBackend)."""
 
     name = "vllm"
@@ -131,34 +170,7 @@ class VLLMBackend:
         self._waiting: deque[LiveSample] = deque()
         self._running: dict[str, LiveSample] = {}
 
-    # ------------------------------------------------------------------ queries
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    def capacity(self) -> int:
-        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
-
     # ------------------------------------------------------------------ requests in and out
-
-    def add(self, request: Request) -> None:
-        """Queue one sample; ValueError as TorchBackend.add (empty, too long, outside the vocabulary)."""
-        prompt, gid, sid = request.prompt_ids, request.group_id, request.sample_id
-        if len(prompt) == 0:
-            raise ValueError(f"group {gid} sample {sid}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"group {gid} sample {sid}: prompt has {len(prompt)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (prompt plus at least one completion token must fit)")
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"group {gid}: prompt token ids must lie in [0, {self.vocab_size}), "
-                             f"got {low if low < 0 else high}")
-        self._waiting.append(LiveSample(request, time.monotonic()))
 
     def step(self) -> list[Finished]:
         """Admit waiting samples (unless paused), run one vLLM engine step, return the finished."""
@@ -194,15 +206,6 @@ class VLLMBackend:
         out += [self._finished(self._running.pop(rid), "cancelled") for rid in ids]
         return out
 
-    def drain(self) -> list[Finished]:
-        paused, self.pause_admission = self.pause_admission, True
-        try:
-            out: list[Finished] = []
-            while self._running:
-                out += self.step()
-            return out
-        finally:
-            self.pause_admission = paused
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """Load a full state dict between steps (vLLM fuses q/k/v and gate/up: partial updates would

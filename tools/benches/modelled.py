@@ -37,7 +37,14 @@ from tailrace.engine.cli import parse_args
 from tailrace.engine.generator.backend import TorchBackend
 from tailrace.engine.generator.interface import torch_backend
 from tailrace.engine.generator.main import main as generator_main
-from tailrace.engine.generator.requests import BackendStats, Finished, Request, Weights
+from tailrace.engine.generator.requests import (
+    BackendStats,
+    Finished,
+    Request,
+    Weights,
+    check_request,
+    drain_by_stepping,
+)
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.trainer.learner import Learner, LearnerConfig, plan_micro_batches
 from tailrace.engine.trainer.main import main as trainer_main
@@ -221,14 +228,7 @@ class ModelledBackend:
 
     def add(self, request: Request) -> None:
         """Queue one request; its length is drawn now. Raises ValueError like TorchBackend.add."""
-        prompt, gid, sid = request.prompt_ids, request.group_id, request.sample_id
-        if len(prompt) == 0:
-            raise ValueError(f"group {gid} sample {sid}: empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"group {gid} sample {sid}: prompt has {len(prompt)} tokens, but max_model_len "
-                             f"is {self.max_model_len}")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"group {gid}: prompt token ids must lie in [0, {self.vocab_size})")
+        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self._waiting.append(self._draw(request))
 
     def _draw(self, request: Request) -> _Row:
@@ -284,14 +284,7 @@ class ModelledBackend:
         return [self._finished(r, r.reason) for r in done]
 
     def drain(self) -> list[Finished]:
-        paused, self.pause_admission = self.pause_admission, True
-        try:
-            out: list[Finished] = []
-            while self._rows:
-                out += self.step()
-            return out
-        finally:
-            self.pause_admission = paused
+        return drain_by_stepping(self)
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """Only the version changes: the modelled generator has no weights to load."""
