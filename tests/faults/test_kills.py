@@ -25,7 +25,8 @@ def _exact(run_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path):
-    faulty = Faulty(tmp_path / "runs", steps=24, seed=random.randrange(1 << 30), log=print)
+    # Enough steps that the run outlives the scripted faults on an idle machine (a step takes ~0.1 s).
+    faulty = Faulty(tmp_path / "runs", steps=300, seed=random.randrange(1 << 30), log=print)
     with fk.TrainerWatch(faulty.run_dir) as watch:
         faulty.first_run(watch)
         faulty.resumed_run(watch, fuzz_frames=40)

@@ -117,7 +117,7 @@ class Faulty:
 
 
 def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    steps = 30 if quick else 60
+    steps = 200 if quick else 400  # the run must outlive the scripted faults (a step is ~0.1 s when idle)
     runs = Path(tempfile.mkdtemp(prefix="tailrace-faults-"))
     try:
         wall_clean = _clean(runs, steps, log)
