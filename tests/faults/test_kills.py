@@ -26,14 +26,15 @@ def _exact(run_dir):
 @pytest.mark.timeout(420)
 def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path):
     # Enough steps that the run outlives the scripted faults on an idle machine (a step takes ~0.1 s).
-    faulty = Faulty(tmp_path / "runs", steps=300, seed=random.randrange(1 << 30), log=print)
+    steps = 300
+    faulty = Faulty(tmp_path / "runs", steps=steps, seed=random.randrange(1 << 30), log=print)
     with fk.TrainerWatch(faulty.run_dir) as watch:
         faulty.first_run(watch)
         faulty.resumed_run(watch, fuzz_frames=40)
     figures = faulty.figures
     assert figures["kills_survived"] == figures["kills"] == 3 and figures["hangs"] == figures["crashes"] == 0, figures
     summary = _exact(faulty.run_dir)
-    assert summary["steps"] == 24
+    assert summary["steps"] == steps
     assert summary["discarded"].get("lease_expired", 0) > 0  # the silent generator's samples came back
 
 
