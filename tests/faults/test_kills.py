@@ -35,7 +35,9 @@ def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path):
     assert figures["kills_survived"] == figures["kills"] == 3 and figures["hangs"] == figures["crashes"] == 0, figures
     summary = _exact(faulty.run_dir)
     assert summary["steps"] == steps
-    assert summary["discarded"].get("lease_expired", 0) > 0  # the silent generator's samples came back
+    # The silent generator's samples came back: by its lease running out, or (when the script's random
+    # timing lets it leave first) as a dead generator's; either way re-dispatched and trained once (_exact).
+    assert summary["discarded"].get("lease_expired", 0) + summary["discarded"].get("generator_dead", 0) > 0
 
 
 @pytest.mark.slow
