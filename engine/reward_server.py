@@ -21,7 +21,7 @@ from typing import Any
 def load_function(spec: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--fn {spec!r}: expected module:function, e.g. engine.tasks:score")
+        raise ValueError(f"--fn {spec!r}: expected module:function, e.g. tailrace.engine.tasks:score")
     sys.path.insert(0, str(Path.cwd()))  # user modules next to where they run the command
     try:
         module = importlib.import_module(module_name)

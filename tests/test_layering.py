@@ -31,7 +31,12 @@ COMMAND_LINE = "tailrace.engine.cli"
 ENTRY_POINTS = {COMMAND_LINE, "tailrace.engine.launch"}
 
 
+TOP_LEVEL = ROOT / "engine" / "_toplevel"  # the `tailrace` package itself (pyproject.toml's package-dir)
+
+
 def module_name(path: Path) -> str:
+    if path.parent == TOP_LEVEL:
+        return "tailrace" if path.name == "__init__.py" else f"tailrace.{path.stem}"
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
