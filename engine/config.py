@@ -40,11 +40,11 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; README: Chat data)
+    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; README: Your own model and data)
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
     prompt_field: str = "prompt"  # file rows: the field holding the prompt, text or a list of {role, content} turns (else a `messages` field)
     chat_template: str = "auto"  # conversational rows: auto (the tokenizer's chat template) / none (refused) / a Jinja template file that overrides the tokenizer's
-    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer"
+    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer" (a `messages` row without it: its final assistant turn)
     seed: int = 0  # seed of the synthetic prompt stream and of data.shuffle
     max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
     epochs: int = 1  # file data: passes over the rows before the run stops (train.steps may stop it first)
@@ -262,7 +262,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class LaunchConfig:
     num_generators: int = 2  # generator processes
-    reward_server: bool = True  # start the built-in tasks' reward server (never with reward.mode = servers)
+    reward_server: bool = True  # start a reward server: reward.functions' weighted sum when set, else the built-in tasks' (not with reward.mode = servers)
     on_child_crash: str = "stop"  # stop | restart
     max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes

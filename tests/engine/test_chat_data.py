@@ -1,6 +1,7 @@
 """Conversational rows (a list of {role, content} turns) through the chat template, exactly as
 tokenizer.apply_chat_template(..., add_generation_prompt=True) gives them, with the shipped tiny
-tokenizer given a template here (it ships none). Run: pytest tests/engine/test_chat_data.py
+tokenizer given a template here (it ships none), for GRPO prompts and DPO pairs.
+Run: pytest tests/engine/test_chat_data.py
 """
 
 import json
@@ -97,3 +98,13 @@ def test_malformed_turns_are_a_clear_error(tmp_path, tokenizer):
                        ({"other": 1}, "no string field 'prompt', nor a list of turns there or in 'messages'")):
         with pytest.raises(ValueError, match=match):
             next(PromptSource(DataConfig(source=_file(tmp_path, [row])), tokenizer, max_prompt_tokens=100))
+
+
+def test_dpo_prompts_given_as_turns_go_through_the_template_too(tmp_path, tokenizer):
+    from tailrace.engine.pairs import PairSource
+
+    rows = [{"prompt": TURNS, "chosen": "cba", "rejected": "abc"}, {"prompt": "rev:ab=", "chosen": "ba", "rejected": "ab"}]
+    chat, text = PairSource(DataConfig(source=_file(tmp_path, rows)), tokenizer, max_tokens=100)
+    assert chat.prompt_ids == _reference_ids(tokenizer, TURNS)
+    assert text.prompt_ids == tokenizer.encode("rev:ab=")
+    assert chat.chosen_ids == tokenizer.encode("cba", add_special_tokens=False) + [tokenizer.eos_token_id]

@@ -197,4 +197,4 @@ max_new_tokens = 12
         assert math.isclose(line["trainer/reward/mean"], combined, rel_tol=1e-9, abs_tol=1e-12)
     assert len({line["trainer/reward/details/length"] for line in lines}) > 1 or lines[0]["trainer/reward/std"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["scored_by"] == {"server": 24, "builtin": 0}
+    assert summary["scored_by"]["builtin"] == 0 and summary["scored_by"]["server"] >= 24
