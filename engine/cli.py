@@ -4,6 +4,7 @@
     tailrace trainer --config FILE [--resume] [--nproc N] [--section.name VALUE ...]
     tailrace generator --connect ADDR [--name NAME] [--config FILE] [--section.name VALUE ...]
     tailrace reward --connect ADDR --fn module:function [--tasks a,b] [--max-concurrency N]
+    tailrace reward --connect ADDR --config FILE [--reward.functions ...]   the weighted sum of reward.functions
     tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
     tailrace --version
 
@@ -75,9 +76,12 @@ def _parser() -> argparse.ArgumentParser:
 
     reward = sub.add_parser("reward", help="serve a Python reward function",
                             description="Run `module:function` (score(prompt, completion, metadata) -> "
-                            "float | dict) as a reward server attached to a trainer.")
+                            "float | dict) as a reward server attached to a trainer; without --fn, the "
+                            "weighted sum of reward.functions (--config FILE or --reward.functions "
+                            "mod:f,mod:g=0.5), each function's value logged under its name.")
     reward.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
-    reward.add_argument("--fn", required=True, help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--fn", default="", help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--config", help="TOML run config whose reward.functions it serves (without --fn)")
     reward.add_argument("--tasks", default="", help="comma-separated task names it scores (default: the "
                         "function's `tasks` attribute if it has one, else all)")
     reward.add_argument("--name", default="", help="unique name in the run (default: reward-<pid>)")
@@ -121,8 +125,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     role_parser = args.role_parsers[args.role]
-    if args.role == "reward" and overrides:
-        role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.role == "reward" and args.fn and overrides:
+        role_parser.error(f"unrecognized arguments: {' '.join(overrides)} (settings go with reward.functions, not --fn)")
     problem = _bad_override(overrides)
     if problem is not None:
         role_parser.error(problem)

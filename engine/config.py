@@ -8,6 +8,7 @@ Test: pytest tests/engine/test_config.py
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -39,10 +40,11 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[:SPLIT]" (datasets)
+    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; README: Your own model and data)
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
-    prompt_field: str = "prompt"  # file rows: the field holding the prompt text
-    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer"
+    prompt_field: str = "prompt"  # file rows: the field holding the prompt, text or a list of {role, content} turns (else a `messages` field)
+    chat_template: str = "auto"  # conversational rows: auto (the tokenizer's chat template) / none (refused) / a Jinja template file that overrides the tokenizer's
+    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer" (a `messages` row without it: its final assistant turn)
     seed: int = 0  # seed of the synthetic prompt stream and of data.shuffle
     max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
     epochs: int = 1  # file data: passes over the rows before the run stops (train.steps may stop it first)
@@ -51,6 +53,7 @@ class DataConfig:
     def __post_init__(self):
         _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0")
         _check(self.epochs >= 1, "data.epochs", "must be >= 1")
+        _check(bool(self.chat_template), "data.chat_template", 'must be "auto", "none" or a Jinja template file')
 
 
 @dataclass(kw_only=True)
@@ -84,15 +87,49 @@ class ControllerConfig:
 
 
 @dataclass(kw_only=True)
+class RewardFunctionConfig:
+    """One entry of reward.functions (engine/reward_fns.py combines them)."""
+
+    fn: str = ""  # module:function, score(prompt, completion, metadata) -> float | dict
+    weight: float = 1.0  # its factor in the weighted sum
+    name: str = ""  # metrics key trainer/reward/details/<name>; "" = the function's name
+    tasks: tuple[str, ...] = ()  # tasks it scores; () = its `tasks` attribute if it has one, else every task
+
+    def __post_init__(self):
+        module, sep, attr = self.fn.partition(":")
+        _check(bool(sep and module and attr), "reward.functions", f"fn {self.fn!r}: expected module:function")
+        _check(math.isfinite(self.weight), "reward.functions", f"{self.fn}: weight must be finite, got {self.weight}")
+
+    @property
+    def key(self) -> str:
+        return self.name or self.fn.partition(":")[2]
+
+    @classmethod
+    def from_text(cls, text: str, name: str) -> RewardFunctionConfig:
+        """The command-line form "module:function" or "module:function=WEIGHT"."""
+        fn, eq, weight = text.partition("=")
+        try:
+            return cls(fn=fn.strip(), weight=float(weight) if eq else 1.0)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {text!r} is not module:function[=WEIGHT] ({exc})") from None
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     mode: str = "auto"  # auto: attached servers for their tasks, built-in functions for the rest; builtin; servers
     timeout_s: float = 30.0  # per score request
     retries: int = 2  # a failed or timed-out request is retried on another server this often
     wait_for_server_s: float = 60.0  # how long a completion only a server can score waits for one (then: no_reward_server)
+    functions: tuple[RewardFunctionConfig, ...] = ()  # several functions, served as their weighted sum by one reward server: [{fn = "mod:f", weight = 1.0, name = "", tasks = []}, ...] or "mod:f,mod:g=0.5"; README: Several reward functions
 
     def __post_init__(self):
         _check(self.mode in ("auto", "builtin", "servers"), "reward.mode",
                f"{self.mode!r} is not one of auto, builtin, servers")
+        _check(not self.functions or self.mode != "builtin", "reward.functions",
+               'run on a reward server: needs reward.mode "auto" or "servers", not "builtin"')
+        keys = [f.key for f in self.functions]
+        _check(len(set(keys)) == len(keys), "reward.functions",
+               f"names {keys} repeat: give each entry its own name")
         _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
         _check(self.retries >= 0, "reward.retries", "must be >= 0")
 
@@ -225,7 +262,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class LaunchConfig:
     num_generators: int = 2  # generator processes
-    reward_server: bool = True  # start the built-in tasks' reward server (never with reward.mode = servers)
+    reward_server: bool = True  # start a reward server: reward.functions' weighted sum when set, else the built-in tasks' (not with reward.mode = servers)
     on_child_crash: str = "stop"  # stop | restart
     max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes
@@ -270,6 +307,11 @@ class RunConfig:
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # an entry of a list of tables (reward.functions)
+        if isinstance(value, str) and hasattr(tp, "from_text"):
+            return tp.from_text(value, name)
+        if isinstance(value, dict):
+            return from_dict(tp, value, name + ".")
     if isinstance(value, str) and tp is not str:
         if tp is bool:
             lowered = value.lower()
@@ -372,6 +414,8 @@ def _inline(value: Any) -> str:
     """A value as inline TOML text, for the README's reference table (files go through tomli_w)."""
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{" + ", ".join(f"{k} = {_inline(v)}" for k, v in dataclasses.asdict(value).items()) + "}"
     return tomli_w.dumps({"v": value}).partition(" = ")[2].strip()
 
 

@@ -1,7 +1,8 @@
 """`tailrace run`: a trainer, launch.num_generators generators and a reward server as separate OS
 processes on this machine over loopback, supervised, with progress bars. The reward server serves the
-built-in tasks' functions (only those tasks); with reward.mode = "servers" it is not started, and the
-launcher prints the line that attaches the user's own.
+built-in tasks' functions (only those tasks), or the weighted sum of reward.functions when they are set;
+with reward.mode = "servers" and no reward.functions it is not started, and the launcher prints the line
+that attaches the user's own.
 
     supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
                      generator or reward server stops the run (SIGINT to the trainer, which
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import preflight, report
+from tailrace.engine import preflight, report, reward_fns
 from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
 
 STARTUP_TIMEOUT_S = 180.0
@@ -169,9 +170,13 @@ class Launcher:
                             *self.key_args(f"gen-{i}"))
             self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
         if self.starts_reward_server() and (self.reward is None or self.reward.spec):
-            fn, tasks = (BUILTIN_REWARD, []) if self.reward is None else (self.reward.spec, self.reward.task_args())
-            argv = self.cli("reward", "--connect", address, "--fn", fn, *tasks, "--name", "reward-0",
-                            *self.key_args("reward-0"))
+            if self.reward is not None:
+                serves = ["--fn", self.reward.spec, *self.reward.task_args()]
+            elif self.cfg.reward.functions:
+                serves = ["--config", str(self.config_path)]
+            else:
+                serves = ["--fn", BUILTIN_REWARD]
+            argv = self.cli("reward", "--connect", address, *serves, "--name", "reward-0", *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
         for child in self.children[1:]:
             child.start(self.env)
@@ -180,12 +185,12 @@ class Launcher:
         return self.keys.args(name) if self.keys is not None else []
 
     def starts_reward_server(self) -> bool:
-        """reward.mode = "servers" means the user's servers score everything: the built-in one stays out.
-        A reward function given to tailrace.run() is the user's server: it always starts, in place of
-        the built-in one."""
+        """reward.mode = "servers" means the user's servers score everything: the built-in one stays out,
+        unless it serves the user's reward.functions. A reward function given to tailrace.run() is the
+        user's server: it always starts, in place of the built-in one."""
         if self.reward is not None:
             return True
-        return self.cfg.launch.reward_server and self.cfg.reward.mode != "servers"
+        return self.cfg.launch.reward_server and (self.cfg.reward.mode != "servers" or bool(self.cfg.reward.functions))
 
     def attach_hint(self, address: str) -> str:
         """How to attach a reward server for data.task, with this run's keys when CURVE is on."""
@@ -345,6 +350,8 @@ def _prepare(args: Any, overrides: list[str]) -> tuple[RunConfig, bool]:
         raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
     preflight.check_model_path(cfg.model.path)
     preflight.check_bind_free(cfg.trainer.bind)
+    if cfg.reward.functions and cfg.launch.reward_server:  # one line now, not a reward server's crash later
+        reward_fns.components(cfg.reward.functions)
     return cfg, False
 
 
@@ -354,7 +361,7 @@ def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
         print(f"tailrace run: warning: {warning}", file=sys.stderr)
     print(f"tailrace run: trainer at {address}; starting {cfg.launch.num_generators} generators"
           + (" and a reward server" if launcher.starts_reward_server() else ""))
-    if cfg.reward.mode == "servers" and launcher.reward is None:
+    if cfg.reward.mode == "servers" and not launcher.starts_reward_server():
         print(launcher.attach_hint(address), flush=True)
     else:
         print("tailrace run: attach a reward server with: "

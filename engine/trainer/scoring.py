@@ -4,6 +4,7 @@ reward functions (engine/tasks.py) for the rest.
     reward.mode = "auto":    a server that scores the task if one is attached, else the built-in function
     reward.mode = "servers": only servers
     reward.mode = "builtin": only built-in functions
+    reward.functions set:    only servers (the one that serves their weighted sum), whatever reward.mode
 A completion only a server can score waits up to reward.wait_for_server_s for one, also when its server
 leaves mid-request (a restarted server takes over); `waiting` counts them per task for the watchdog.
 
@@ -48,7 +49,9 @@ class RewardDispatcher:
             from tailrace.engine.tasks import REWARD_FNS
 
             builtin = REWARD_FNS
-        self.builtin = builtin if cfg.mode != "servers" else {}
+        # reward.functions run on a reward server: a built-in function scoring a task before that server
+        # attaches would mix two different rewards in one run
+        self.builtin = builtin if cfg.mode != "servers" and not cfg.functions else {}
         self.num_scored = {"server": 0, "builtin": 0}
         self.waiting: collections.Counter[str] = collections.Counter()  # task -> completions waiting for a server
 
