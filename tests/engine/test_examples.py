@@ -67,3 +67,22 @@ def test_the_arithmetic_example_trains_with_the_example_reward_server(tmp_path):
     assert summary["steps"] == 4 and summary["scored_by"]["server"] >= 4 * 8 * 8
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(line["trainer/reward/details/exact_count"] == 64 for line in lines)
+
+
+def test_the_gsm8k_reward_compares_the_last_number_with_the_reference():
+    from examples.gsm8k_reward import reference, score
+
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+    assert reference(answer) == 72.0 and reference("1,234") == 1234.0
+    assert score("q", "48 + 24 = 72. #### 72", {"answer": answer}) == {"reward": 1.0, "formatted": 1.0}
+    assert score("q", "so 72 clips", {"answer": answer}) == {"reward": 1.0, "formatted": 0.0}
+    assert score("q", "#### 71", {"answer": answer})["reward"] == 0.0
+    assert score("q", "no idea", {"answer": answer})["reward"] == 0.0
+    with pytest.raises(ValueError, match="no number"):
+        score("q", "72", {"answer": "none"})
+
+
+def test_the_gpu_example_names_a_gpu_and_vllm():
+    cfg = load_config(ROOT / "examples" / "qwen05b_gpu.toml")
+    assert cfg.model.device == "cuda" and cfg.generator.backend == "vllm"
+    assert cfg.reward.functions and cfg.data.source == "hf:openai/gsm8k:main:train"
