@@ -291,8 +291,6 @@ class RunConfig:
 
     def __post_init__(self):
         lora = self.model.lora
-        _check(not lora.enabled or self.launch.trainer_ranks == 1, "model.lora",
-               f"LoRA trains on one trainer rank; launch.trainer_ranks is {self.launch.trainer_ranks}")
         _check(not lora.enabled or not lora.dropout or self.train.replay == "naive", "model.lora.dropout",
                f"{lora.dropout} > 0 draws different masks per forward, which branch-replay cannot reproduce "
                f"exactly: set it to 0 or train.replay = \"naive\" (train.replay is {self.train.replay!r})")

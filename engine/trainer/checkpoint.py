@@ -85,12 +85,12 @@ def save(
     dist.barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{dist.rank()}.pt")
     _dcp(dcp.save, _dcp_state(learner), tmp / DCP_DIR)
-    # A collective under FSDP2; with LoRA, the merged weights transformers loads.
-    full = learner.state_dict_for_broadcast() if dist.world_size() > 1 or learner.lora is not None else None
+    full = dist.gather_full_state_dict(learner.model) if dist.world_size() > 1 else None  # a collective
     if dist.is_rank0():
-        learner.model.save_pretrained(tmp, state_dict=full)
-        if learner.lora is not None:
-            lora.save_adapter(learner.lora, tmp)
+        if learner.lora is None:
+            learner.model.save_pretrained(tmp, state_dict=full)
+        else:  # the merged weights transformers loads, the adapter peft loads
+            lora.save(learner.lora, learner.model, tmp, full)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(learner.scheduler.state_dict(), tmp / "scheduler.pt")

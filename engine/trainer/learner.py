@@ -342,7 +342,7 @@ class Learner:
             raise ValueError("loss.kl_coef: > 0 needs a reference model")
         _check_plain_lm_head(model)
         seed_everything(config.seed)
-        self.lora = lora.attach(model, config.lora, world_size=dist.world_size())  # PeftModel or None
+        self.lora = lora.attach(model, config.lora)  # a PeftModel or None
         self.model = dist.shard_model(model, config.fsdp)
         self.config = config
         self.ref_model = ref_model
@@ -453,10 +453,11 @@ class Learner:
         rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict. With LoRA: the
         merged weights, by the base model's names.
         """
-        if self.lora is not None:
-            return lora.merged_state_dict(self.model)
         if dist.world_size() > 1:
-            return dist.gather_full_state_dict(self.model)
+            full = dist.gather_full_state_dict(self.model)
+            return lora.merge(full, lora.scalings(self.model)) if self.lora is not None and full else full
+        if self.lora is not None:
+            return lora.merge(lora.local_state_dict(self.model), lora.scalings(self.model))
         out: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():

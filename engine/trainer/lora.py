@@ -2,10 +2,11 @@
 
     attach(model, model.lora)   peft injects lora.Linear modules in place (same names, so branch-replay's
                                 forward, which calls the modules, runs them); every other weight is frozen
-    merged_state_dict(...)      what generators and from_pretrained get: base + B @ A * alpha / r under the
-                                base model's names, a plain state dict of the original architecture
-    save_adapter(...)           CHECKPOINT/adapter/ (adapter_config.json, adapter_model.safetensors), which
-                                PeftModel.from_pretrained(base model, CHECKPOINT/adapter) loads
+    merge(state)                what generators and from_pretrained get: base + B @ A * alpha / r under the
+                                base model's names, a plain state dict of the original architecture (from
+                                the local state dict, or the full one FSDP2 gathers on rank 0)
+    save(...)                   a checkpoint's merged model, and CHECKPOINT/adapter/ (adapter_config.json,
+                                adapter_model.safetensors) that PeftModel.from_pretrained(base, ...) loads
 
 The base weights are never merged in place (merge + unmerge would round them each step). peft is an
 optional extra: pip install 'tailrace[lora]'. Test: pytest tests/engine/test_lora.py
@@ -26,7 +27,7 @@ from tailrace.engine.config import LoRAConfig
 log = logging.getLogger("tailrace.trainer")
 
 ADAPTER = "default"  # peft's name of the one adapter
-ADAPTER_DIR = "adapter"  # inside a checkpoint folder; beside, not inside, the merged model (see save_adapter)
+ADAPTER_DIR = "adapter"  # inside a checkpoint folder; beside, not inside, the merged model (see save)
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -39,14 +40,13 @@ def _peft() -> Any:
     return peft
 
 
-def attach(model: nn.Module, config: LoRAConfig, *, world_size: int = 1) -> Any:
+def attach(model: nn.Module, config: LoRAConfig) -> Any:
     """Inject the adapters into `model` in place and freeze the rest; returns the PeftModel wrapping it
     (for save_pretrained), or None when config.r is 0. The adapters' A is drawn from torch's RNG, B is 0,
-    so the model starts as the base model."""
+    so the model starts as the base model (the same on every rank, which seeds alike). Call it before
+    FSDP2 shards the model: fully_shard keeps frozen and trainable parameters in one unit."""
     if not config.enabled:
         return None
-    if world_size > 1:
-        raise ValueError(f"model.lora: LoRA trains on one trainer rank, this trainer runs on {world_size}")
     peft = _peft()
     targets = "all-linear" if tuple(config.target_modules) == ("all-linear",) else list(config.target_modules)
     peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
@@ -118,19 +118,22 @@ def merge(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str
     return out
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The merged weights of a model with adapters attached, on the CPU, by the base model's names."""
+def local_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() with tied names as one tensor (they come back as two views of one storage)."""
     state = {}
     by_storage: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-    for key, tensor in model.state_dict().items():  # tied names come back as two views of one storage
+    for key, tensor in model.state_dict().items():
         state[key] = by_storage.setdefault((tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)), tensor)
-    return merge(state, scalings(model))
+    return state
 
 
-def save_adapter(wrapped: Any, folder: str | Path) -> Path:
-    """The adapter in FOLDER/adapter. Not in FOLDER itself: transformers' from_pretrained(FOLDER) would find
-    adapter_config.json there and load the base model from its original path plus the adapter, instead of
-    the merged weights beside it."""
-    path = Path(folder) / ADAPTER_DIR
-    wrapped.save_pretrained(path)
-    return path
+def save(wrapped: Any, model: nn.Module, folder: str | Path, full: dict[str, torch.Tensor] | None) -> None:
+    """The merged model in FOLDER (save_pretrained) and the adapter in FOLDER/adapter; `full`: the gathered
+    state dict under FSDP2 (rank 0), None for the local one. The adapter is not in FOLDER itself:
+    transformers' from_pretrained(FOLDER) would find adapter_config.json there and load the base model from
+    its original path plus the adapter, instead of the merged weights beside it."""
+    state = local_state_dict(model) if full is None else full
+    model.save_pretrained(folder, state_dict=merge(state, scalings(model)))
+    # The PeftModel's own names (its root holds the model as base_model.model).
+    adapter = {f"base_model.model.{k}": v.detach().cpu() for k, v in state.items() if ".lora_" in k}
+    wrapped.save_pretrained(Path(folder) / ADAPTER_DIR, state_dict=adapter)
