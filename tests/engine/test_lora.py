@@ -163,3 +163,18 @@ def test_errors_name_the_setting(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ValueError, match=r"model.lora: .*pip install 'tailrace\[lora\]'"):
         lora.attach(tiny_model(), LoRAConfig(r=2))
+
+
+def test_dpo_reference_is_the_base_model_and_only_adapters_move():
+    from tailrace.engine.pairs import PreferencePair
+    from tailrace.engine.trainer.dpo import DPOLearner
+
+    model = tiny_model("llama")
+    base = copy.deepcopy(model)
+    learner = DPOLearner(model, LearnerConfig(lr=1e-2, replay="replay", lora=LoRAConfig(r=2)), beta=0.1)
+    assert not any("lora_" in n for n, _ in learner.ref_model.named_parameters())
+    metrics = learner.step([PreferencePair(0, [1, 2, 3], [4, 5], [6]), PreferencePair(1, [1, 2], [7], [3, 3])])
+    assert metrics["trainer/dpo/reward_margin"] == pytest.approx(0.0, abs=1e-12)  # B = 0: policy == base
+    merged = learner.state_dict_for_broadcast()
+    moved = [k for k, v in base.state_dict().items() if not torch.equal(merged[k], v)]
+    assert moved and all(".q_proj." in k or ".v_proj." in k for k in moved)
