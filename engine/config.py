@@ -28,10 +28,32 @@ def _check(cond: bool, name: str, text: str) -> None:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters trained instead of the full model (engine/trainer/lora.py, peft); r = 0 = off."""
+
+    r: int = 0  # adapter rank; 0 = off (full fine-tuning); > 0 trains only the adapters (pip install 'tailrace[lora]')
+    alpha: float = 16.0  # the adapter's update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input; > 0 only with train.replay = "naive" (exact gradients)
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")  # linear layers of the decoder layers that get adapters; ["all-linear"] = every one
+
+    def __post_init__(self):
+        _check(self.r >= 0, "model.lora.r", "must be >= 0")
+        _check(self.alpha > 0, "model.lora.alpha", "must be > 0")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+        _check(len(self.target_modules) >= 1 and all(t.strip() for t in self.target_modules),
+               "model.lora.target_modules", "needs at least one module name")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     path: str = ""  # local Hugging Face checkpoint folder; "" = the shipped tiny model (examples/tiny)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
     device: str = "cpu"  # torch device of trainer and generators (cpu, cuda, cuda:1, ...)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # low-rank adapters (peft); TOML: lora = {r = 8, alpha = 16}
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "model.dtype",
@@ -303,6 +325,12 @@ class RunConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self):
+        lora = self.model.lora
+        _check(not lora.enabled or not lora.dropout or self.train.replay == "naive", "model.lora.dropout",
+               f"{lora.dropout} > 0 draws different masks per forward, which branch-replay cannot reproduce "
+               f"exactly: set it to 0 or train.replay = \"naive\" (train.replay is {self.train.replay!r})")
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

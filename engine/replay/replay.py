@@ -275,7 +275,9 @@ class _Replay:
             tensors.append(loss)
             grads.append(torch.ones_like(loss))
         for out, leaf in zip(outputs, o.leaves, strict=True):
-            if leaf.grad is not None:
+            # Keys/values that no trainable parameter reaches (frozen layers below LoRA adapters, e.g. the
+            # first layer's keys when only q_proj and v_proj adapt) have no graph: nothing to send back.
+            if leaf.grad is not None and out.requires_grad:
                 tensors.append(out)
                 grads.append(leaf.grad.to(out.dtype))
         if tensors:

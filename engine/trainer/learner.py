@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from tailrace.engine.config import FSDPConfig
+from tailrace.engine.config import FSDPConfig, LoRAConfig
 from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.models import run_as_forward
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
-from tailrace.engine.trainer import dist
+from tailrace.engine.trainer import dist, lora
 from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
 from tailrace.kernels.logprobs import chunked_logprobs
 
@@ -46,6 +46,7 @@ class LearnerConfig:
     warmup_steps of linear warmup precede any of them. micro_batch_tokens: padded tokens (rows x longest
     row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
     replay: forward/backward strategy, a key of STRATEGIES. fsdp: sharding under torchrun (dist.shard_model).
+    lora: r > 0 trains low-rank adapters only (engine/trainer/lora.py).
     """
 
     lr: float = 1e-6
@@ -64,6 +65,7 @@ class LearnerConfig:
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # TOML gives lists
@@ -340,6 +342,7 @@ class Learner:
             raise ValueError("loss.kl_coef: > 0 needs a reference model")
         _check_plain_lm_head(model)
         seed_everything(config.seed)
+        self.lora = lora.attach(model, config.lora)  # a PeftModel or None
         self.model = dist.shard_model(model, config.fsdp)
         self.config = config
         self.ref_model = ref_model
@@ -447,10 +450,14 @@ class Learner:
         """CPU copy of the weights (name -> tensor) that later optimizer steps cannot change.
 
         Tied parameters (embedding and LM head) keep both names but share one copy. Under torchrun every
-        rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict.
+        rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict. With LoRA: the
+        merged weights, by the base model's names.
         """
         if dist.world_size() > 1:
-            return dist.gather_full_state_dict(self.model)
+            full = dist.gather_full_state_dict(self.model)
+            return lora.merge(full, lora.scalings(self.model)) if self.lora is not None and full else full
+        if self.lora is not None:
+            return lora.merge(lora.local_state_dict(self.model), lora.scalings(self.model))
         out: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():

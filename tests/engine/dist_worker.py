@@ -76,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-precision", default="auto")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers; 0 = full model")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from tailrace.engine.config import FSDPConfig
+    from tailrace.engine.config import FSDPConfig, LoRAConfig
     from tailrace.engine.trainer import checkpoint, dist
     from tailrace.engine.trainer.learner import Learner, LearnerConfig
     from tailrace.engine.trainer.loss import LossConfig
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                            loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s,
                                                                          mixed_precision=args.mixed_precision,
                                                                          activation_checkpointing=args.activation_checkpointing,
-                                                                         cpu_offload=args.cpu_offload))
+                                                                         cpu_offload=args.cpu_offload),
+                           lora=LoRAConfig(r=args.lora, target_modules=("all-linear",)))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config)

@@ -188,3 +188,30 @@ def test_two_gpu_ranks_with_nccl_equal_one(tmp_path):
     offload = _train(tmp_path, "offload", *args, "--cpu-offload", nproc=2)
     for a, b in zip(one["steps"], offload["steps"], strict=True):
         assert _max_rel_err(a, b) < 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_resumes_on_one(tmp_path):
+    """LoRA on every linear layer, replay, float64: the served (merged) weights of 2 ranks == 1 rank; the
+    checkpoint of step 2 on 2 ranks holds the merged model and an adapter that peft loads, and resumes on
+    1 rank to the uninterrupted run."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    one = _train(tmp_path, "one", "--lora", "4", nproc=1)
+    two = _train(tmp_path, "two", "--lora", "4", "--save-at", "2", "--ckpt", str(tmp_path / "ck2"), nproc=2)
+    base = _load_worker().tiny_model("qwen2", torch.float64).state_dict()
+    assert sorted(one["initial"]) == sorted(base)  # the base model's names, merged: no adapter tensors
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert _max_rel_err(base, one["steps"][-1]) > 1e-6  # the adapters moved the merged weights
+    folder = tmp_path / "ck2" / "step_000002"
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    assert _max_rel_err(two["steps"][1], {k: v for k, v in exported.state_dict().items() if k in base}) < 1e-15
+    ids = torch.arange(20).reshape(2, 10)
+    adapted = PeftModel.from_pretrained(_load_worker().tiny_model("qwen2", torch.float64), folder / "adapter")
+    with torch.no_grad():
+        want, got = exported.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-12
+    resumed = _train(tmp_path, "resumed1", "--lora", "4", "--resume", str(folder), nproc=1)
+    assert _max_rel_err(one["steps"][-1], resumed["steps"][-1]) < 1e-10
