@@ -401,23 +401,27 @@ class Learner:
         # Every rank holds the whole batch, so each part's normaliser is its step-wide logical count on each.
         normalisers = [LossNormaliser.from_samples(flatten_samples(part)) for part in parts]
         mine = [flatten_samples(dist.shard(part, self._unit_cost, dist.rank(), dist.world_size())) for part in parts]
-        mine_flat = [s for part in mine for s in part]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        ref = ppo.split_like(self._ref_logprobs(mine_flat), mine)
-        several = self.config.ppo_epochs * len(parts) > 1
-        prox: list | None = None
+        ref = ppo.split_like(self._ref_logprobs([s for part in mine for s in part]), mine)
+        # Proximal log-probs (ppo.py): None is the current policy; the first part's first pass runs the step's
+        # starting policy and records them, the other parts' come from a forward before the first update.
+        prox: list[list | None] = [None] * len(parts)
         epoch_stats, updates = [], []
-        for _ in range(self.config.ppo_epochs):
+        for epoch in range(self.config.ppo_epochs):
             stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
             for i in range(len(parts)):
+                first = epoch == 0 and i == 0
                 with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-                    if several and prox is None:  # the proximal policy: before the first update
-                        prox = ppo.split_like(self._policy_logprobs(mine_flat), mine)
+                    if first and len(parts) > 1:
+                        prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
                     if mine[i]:
-                        loss_fn = StepLoss(mine[i], self.config.loss, ref_logprobs=ref[i],
-                                           prox_logprobs=prox[i] if prox else None)
+                        loss_fn = StepLoss(mine[i], self.config.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
+                        if first and self.config.ppo_epochs > 1:
+                            loss_fn = ppo.RecordingLoss(loss_fn)
                         add_stats(stats, self.forward_backward(self.model, mine[i], loss_fn, normalisers[i]))
+                        if isinstance(loss_fn, ppo.RecordingLoss):
+                            prox[0] = loss_fn.per_sample()
                     dist.reduce_gradients(self.model, self._zero_weight_loss)
                 updates.append(self._update())
             epoch_stats.append(stats)

@@ -1,15 +1,16 @@
 """PPO epochs and mini-batches of one learner step: the split, the proximal policy, the per-epoch metrics.
 
     step(batch) -> GRPO advantages over whole groups -> train.minibatches parts (whole groups, in order)
-        -> [more than one update] proximal log-probs of every sample, one forward without autograd,
-           before any update (the strategy's own forward: the trie under branch-replay)
+        -> [more than one part] proximal log-probs of parts 2.., one forward without autograd before any
+           update (the strategy's own kind of forward: the trie under branch-replay)
         -> for each of train.ppo_epochs epochs, for each part: forward/backward with the part's own loss
            normaliser -> clip -> AdamW                 (LR schedule and policy_version: once per step)
 
 The ratio exp(logp - prox) is clipped against the proximal policy, the policy at the start of the step
 (decoupled PPO as in AReaL; TRL's old_per_token_logps with num_iterations > 1), and the truncated
-importance weight exp(prox - behaviour) still corrects the generator's staleness. With one update per
-step the proximal policy is the current one (logp detached: ratio exactly 1) and no extra forward runs.
+importance weight exp(prox - behaviour) still corrects the generator's staleness. The first part's first
+pass runs that policy itself: its ratio is exactly 1 and its log-probs are recorded there (RecordingLoss)
+for the later epochs, so with one part no extra forward runs; with one update per step nothing changes.
 Test: pytest tests/engine/test_ppo.py
 """
 
@@ -20,8 +21,9 @@ from typing import TypeVar
 
 import torch
 
+from tailrace.engine.losses import LossNormaliser
 from tailrace.engine.trainer import dist
-from tailrace.engine.trainer.loss import STAT_KEYS, finalize_metrics
+from tailrace.engine.trainer.loss import STAT_KEYS, StepLoss, finalize_metrics
 
 T = TypeVar("T")
 _LOSS_KEYS = ("loss_pg", "loss_kl", "loss")
@@ -51,6 +53,26 @@ def split_like(flat: Sequence[T] | None, parts: Sequence[Sequence[object]]) -> l
         start += len(part)
     assert start == len(flat)
     return out
+
+
+class RecordingLoss:
+    """A StepLoss (engine/losses.py SequenceLoss) that also keeps the detached log-prob of every row it is
+    called on; a strategy computes each (sample, position) row once per pass."""
+
+    def __init__(self, loss_fn: StepLoss) -> None:
+        self.loss_fn = loss_fn
+        self.logp_M = torch.full((int(loss_fn.lengths_S.sum()),), float("nan"), dtype=torch.float64)
+
+    def __call__(self, logp_N: torch.Tensor, sample_idx_N: torch.Tensor, pos_N: torch.Tensor,
+                 normaliser: LossNormaliser, *, entropy_N: torch.Tensor | None = None):
+        flat = self.loss_fn.offsets_S[sample_idx_N.cpu()] + pos_N.cpu()
+        self.logp_M[flat] = logp_N.detach().to(device="cpu", dtype=torch.float64)
+        return self.loss_fn(logp_N, sample_idx_N, pos_N, normaliser, entropy_N=entropy_N)
+
+    def per_sample(self) -> list[torch.Tensor]:
+        """The recorded log-probs, per sample [T] (float64, CPU)."""
+        assert not bool(self.logp_M.isnan().any()), "a row the strategy never computed"
+        return list(self.logp_M.split(self.loss_fn.lengths_S.tolist()))
 
 
 def reduce_epochs(epoch_stats: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
