@@ -163,7 +163,6 @@ class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered parameters after forward-only passes (reference model); a training step keeps them gathered
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA)
     mixed_precision: str = "auto"  # auto (bf16 parameters, fp32 reduction on CUDA; model dtype on CPU) | bf16 | off
-    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     collective_timeout_s: float = 300.0  # a collective that waits longer (a dead or stuck rank) raises
 
     def __post_init__(self):
@@ -190,6 +189,9 @@ class TrainConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
+    ppo_epochs: int = 1  # passes over each step's batch (TRL num_iterations); > 1: the clip acts against the policy at the start of the step
+    minibatches: int = 1  # optimizer updates per pass: the step's groups split into this many parts, whole groups each
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long contexts), every train.replay mode
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     seed: int = 0  # torch / numpy / python seeds of the trainer
     dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
@@ -210,6 +212,11 @@ class TrainConfig:
         _check(self.replay in ("auto", "naive", "replay", "packed"), "train.replay",
                f"{self.replay!r} is not one of auto, naive, replay, packed")
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+        _check(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _check(1 <= self.minibatches <= self.groups_per_step, "train.minibatches",
+               f"must be in [1, train.groups_per_step = {self.groups_per_step}]: each part holds whole groups")
+        _check(self.algorithm != "dpo" or (self.ppo_epochs, self.minibatches) == (1, 1), "train.ppo_epochs",
+               "dpo takes one optimizer step per batch of pairs: ppo_epochs and minibatches must be 1")
         _check(len(self.betas) == 2, "train.betas", "needs two values")
 
 
@@ -372,6 +379,9 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     return value
 
 
+_MOVED = {"train.fsdp.activation_checkpointing": "train.gradient_checkpointing"}
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build a config dataclass from nested dicts, rejecting unknown keys with the dotted name."""
     hints = typing.get_type_hints(cls)
@@ -379,6 +389,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        _check(dotted not in _MOVED, dotted, f"renamed: set {_MOVED.get(dotted)} instead")
         if key not in names:
             raise ValueError(f"{dotted}: unknown setting (known: {', '.join(sorted(names))})")
         tp = hints[key]

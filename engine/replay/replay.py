@@ -313,6 +313,19 @@ def trie_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: i
     return out
 
 
+def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int) -> list[torch.Tensor]:
+    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd."""
+    if not samples:
+        return []
+    trie = build_trie(samples)
+    rows = trie_logprobs(model, decoder_spec(model), trie, chunk_rows)
+    lengths = [s.num_completion_tokens for s in samples]
+    offsets_S = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
+    flat = torch.zeros(sum(lengths), dtype=torch.float64)
+    flat[offsets_S[trie.row_sample_R] + trie.row_pos_R] = rows
+    return list(flat.split(lengths))
+
+
 def prepare(model: nn.Module, samples: Sequence[TrainSample], loss_fn, chunk_rows: int) -> tuple[DecoderSpec, Trie]:
     """What every strategy does first: the model's decoder spec and the samples' trie, with the
     per-sample sequence losses set up (prepare_sequence_loss)."""

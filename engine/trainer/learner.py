@@ -1,9 +1,9 @@
-"""The learner: one optimizer step per batch of scored samples, over a Hugging Face causal LM.
+"""The learner: one step (one policy version) per batch of scored samples, over a Hugging Face causal LM.
 
-    step(batch) -> advantages (GRPO, when given groups) -> whole groups to ranks by cost -> [gathered
-    FSDP units] forward/backward strategy (every completion token once, step-wide loss normaliser) ->
-    zero-weight unit that reduce-scatters the summed gradients -> clip -> AdamW -> LR schedule ->
-    policy_version + 1 -> metrics
+    step(batch) -> advantages (GRPO, when given groups) -> minibatches of whole groups (ppo.py) -> per
+    epoch, per minibatch: its whole groups to ranks by cost -> [gathered FSDP units] forward/backward
+    strategy (every completion token once, the minibatch's loss normaliser) -> zero-weight unit that
+    reduce-scatters the summed gradients -> clip -> AdamW;  then LR schedule -> policy_version + 1 -> metrics
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
 micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
@@ -28,9 +28,10 @@ from tailrace.engine.config import FSDPConfig, LoRAConfig
 from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.models import run_as_forward
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
+from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
-from tailrace.engine.trainer import dist, lora
+from tailrace.engine.trainer import dist, lora, ppo
 from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
 from tailrace.kernels.logprobs import chunked_logprobs
 
@@ -47,6 +48,8 @@ class LearnerConfig:
     row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
     replay: forward/backward strategy, a key of STRATEGIES. fsdp: sharding under torchrun (dist.shard_model).
     lora: r > 0 trains low-rank adapters only (engine/trainer/lora.py).
+    ppo_epochs, minibatches: passes over a step's batch and optimizer updates per pass (engine/trainer/ppo.py).
+    gradient_checkpointing: recompute each decoder layer's activations in backward, whatever the strategy.
     """
 
     lr: float = 1e-6
@@ -63,6 +66,9 @@ class LearnerConfig:
     log_entropy: bool = True
     replay: str = "naive"
     seed: int = 0
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    gradient_checkpointing: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -88,6 +94,8 @@ class LearnerConfig:
             raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
             raise ValueError("micro_batch_tokens, logprob_chunk_tokens: must be >= 1")
+        if self.ppo_epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"ppo_epochs, minibatches: must be >= 1, got {self.ppo_epochs}, {self.minibatches}")
 
 
 @dataclass
@@ -343,7 +351,7 @@ class Learner:
         _check_plain_lm_head(model)
         seed_everything(config.seed)
         self.lora = lora.attach(model, config.lora)  # a PeftModel or None
-        self.model = dist.shard_model(model, config.fsdp)
+        self.model = dist.shard_model(model, config.fsdp, checkpointing=config.gradient_checkpointing)
         self.config = config
         self.ref_model = ref_model
         if ref_model is not None:
@@ -364,38 +372,63 @@ class Learner:
         return next(self.model.parameters()).device
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on a batch. Groups get GRPO advantages from their rewards; bare samples are
-        trained with the advantage they carry. Returns metrics named trainer/<group>/<name>."""
+        """One step on a batch: train.ppo_epochs passes of train.minibatches optimizer updates each
+        (engine/trainer/ppo.py), one policy version. Groups get GRPO advantages from their rewards; bare
+        samples are trained with the advantage they carry. Returns metrics named trainer/<group>/<name>."""
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
             raise ValueError("batch: no samples")
         assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
-        # Every rank holds the whole batch, so this normaliser is the step-wide logical count on each.
-        normaliser = LossNormaliser.from_samples(samples)
-        mine = flatten_samples(dist.shard(batch, self._unit_cost, dist.rank(), dist.world_size()))
-
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
-        ref_logprobs = self._ref_logprobs(mine)
-        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-            if mine:
-                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
-                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
-            dist.reduce_gradients(self.model, self._zero_weight_loss)
-        stats = dist.all_reduce_stats_(stats)
+        parts = ppo.split_minibatches(batch, self.config.minibatches)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
-        update = self.apply_gradients()
+        epoch_stats, updates = self._passes(parts)
+        num_updates = len(updates)
+        stats = ppo.step_stats(epoch_stats, num_updates)
 
         metrics = finalize_metrics(stats)
-        metrics.update(_batch_metrics(samples, normaliser, staleness, stats))
+        metrics.update(_batch_metrics(samples, LossNormaliser.from_samples(samples), staleness, stats))
         # A strategy's own counts (e.g. unique tokens under branch-replay) pass through by name.
         metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
                         if k not in STAT_KEYS and k != "padded_tokens"})
-        metrics.update(update)
+        metrics.update(ppo.epoch_metrics(epoch_stats))
+        metrics.update(ppo.update_metrics(updates))
+        metrics["trainer/ppo/minibatches"] = float(len(parts))
+        metrics.update(self._count_step())
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics
+
+    def _passes(self, parts: list[list]) -> tuple[list[dict[str, torch.Tensor]], list[tuple[float, bool]]]:
+        """Every epoch's forward/backward and update of every part; per epoch its summed statistics (all
+        ranks), and each update's (gradient norm, skipped)."""
+        # Every rank holds the whole batch, so each part's normaliser is its step-wide logical count on each.
+        normalisers = [LossNormaliser.from_samples(flatten_samples(part)) for part in parts]
+        mine = [flatten_samples(dist.shard(part, self._unit_cost, dist.rank(), dist.world_size())) for part in parts]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        ref = ppo.split_like(self._ref_logprobs([s for part in mine for s in part]), mine)
+        # Proximal log-probs (ppo.py): None is the current policy; the first part's first pass runs the step's
+        # starting policy and records them, the other parts' come from a forward before the first update.
+        prox: list[list | None] = [None] * len(parts)
+        epoch_stats, updates = [], []
+        for epoch in range(self.config.ppo_epochs):
+            stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
+            for i in range(len(parts)):
+                first = epoch == 0 and i == 0
+                with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
+                    if first and len(parts) > 1:
+                        prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
+                    if mine[i]:
+                        loss_fn = StepLoss(mine[i], self.config.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
+                        if first and self.config.ppo_epochs > 1:
+                            loss_fn = ppo.RecordingLoss(loss_fn)
+                        add_stats(stats, self.forward_backward(self.model, mine[i], loss_fn, normalisers[i]))
+                        if isinstance(loss_fn, ppo.RecordingLoss):
+                            prox[0] = loss_fn.per_sample()
+                    dist.reduce_gradients(self.model, self._zero_weight_loss)
+                updates.append(self._update())
+            epoch_stats.append(stats)
+        return ppo.reduce_epochs(epoch_stats), updates
 
     def _unit_cost(self, unit: Group | TrainSample) -> float:
         """What a group (or bare sample) costs a rank: its unique tokens under the shared-prefix modes."""
@@ -414,16 +447,24 @@ class Learner:
         return logp_N.sum() * 0.0
 
     def apply_gradients(self) -> dict[str, float]:
-        """Clip the (reduced) gradients, AdamW, LR schedule, count the step; its metrics."""
+        """One update that is the whole step (DPO): clip, AdamW, LR schedule, count the step; its metrics."""
+        return ppo.update_metrics([self._update()]) | self._count_step()
+
+    def _update(self) -> tuple[float, bool]:
+        """Clip the (reduced) gradients, AdamW, zero them; (gradient norm before clipping, skipped)."""
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         grad_norm = _clip_grad_norm(self.params, max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
         # A non-finite gradient would poison the weights and Adam's moments for good: skip the update,
         # but keep the step count so schedule, versions and data position stay aligned.
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    def _count_step(self) -> dict[str, float]:
+        """After a step's updates: the LR schedule moves and policy_version counts once per step."""
+        lr = self.optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():
             # LambdaLR warns when the optimizer did not step, which is exactly the skipped case.
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
@@ -434,9 +475,16 @@ class Learner:
             "trainer/step": float(self.step_count),
             "trainer/policy_version": float(self.policy_version),
             "trainer/lr": lr,
-            "trainer/grad/norm": grad_norm,
-            "trainer/grad/skipped": float(skipped),
         }
+
+    def _policy_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """The current policy's per-sample log-probs without autograd, by the strategy's kind of forward
+        (the trie under the shared-prefix modes). Inside gathered(self.model): no collectives of its own."""
+        chunk = self.config.logprob_chunk_tokens
+        if self.config.replay == "naive":
+            return sample_logprobs(self.model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
+                                   chunk_rows=chunk)
+        return replay_sample_logprobs(self.model, samples, chunk)
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
         """Every rank calls this (the sharded reference model is gathered once, whatever its share)."""

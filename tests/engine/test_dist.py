@@ -114,6 +114,21 @@ def test_two_ranks_equal_one_rank_float64(tmp_path, replay, checkpointing):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("replay", ["naive", "replay"])
+def test_two_ranks_equal_one_rank_with_ppo_epochs_and_minibatches(tmp_path, replay):
+    """2 epochs x 2 minibatches of whole groups per step, proximal log-probs per rank: 2 ranks == 1 rank
+    (the last batch's one group leaves rank 1 without samples in every pass)."""
+    args = ("--replay", replay, "--ppo-epochs", "2", "--minibatches", "2")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, nproc=2)
+    plain = _train(tmp_path, "plain", "--replay", replay, nproc=1)
+    assert _max_rel_err(plain["steps"][0], one["steps"][0]) > 1e-6  # four updates, not one
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-10)
+
+
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_float32(tmp_path):
     # A larger adam_eps keeps Adam's update a smooth function of the gradient: with eps = 1e-8 an element
     # whose gradient is at float32 rounding level moves by +-lr either way, whatever the ranks do.
