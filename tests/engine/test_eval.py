@@ -151,7 +151,8 @@ def _tailrace(*args, cwd, timeout):
                           capture_output=True, text=True, timeout=timeout)
 
 
-EVAL_ARGS = ["--eval.num_prompts", "6", "--eval.n", "3", "--eval.pass_k", "1,3", "--eval.temperature", "1.0"]
+EVAL_ARGS = ["--eval.num_prompts", "6", "--eval.n", "3", "--eval.pass_k", "1,3", "--eval.temperature", "1.0",
+             "--eval.timeout_s", "150"]
 
 
 @pytest.mark.slow
@@ -196,6 +197,8 @@ def test_run_with_evaluation_then_eval_of_its_checkpoint(tmp_path):
     assert figures[0] == figures[1]  # greedy and seeded samples: the same numbers every time
     assert figures[0]["step"] == 4 and figures[0]["eval/num_prompts"] == 6 and figures[0]["eval/samples_failed"] == 0
     assert all(not math.isnan(figures[0][k]) for k in ("eval/greedy/reward_mean", "eval/pass@3"))
+    in_run = {k: v for k, v in lines[3].items() if k.startswith("eval/") and k != "eval/seconds"}
+    assert in_run == {k: v for k, v in figures[0].items() if k.startswith("eval/")}  # the same model, the same figures
 
 
 def test_eval_help_names_its_flags():
