@@ -3,6 +3,7 @@ enumeration, the held-out synthetic split, the figures of one evaluation, the se
 `tailrace run` with eval.every_steps (eval/ keys at the right steps, training accounting still exact) and
 `tailrace eval --checkpoint` on its checkpoint, twice (greedy and seeded figures identical)."""
 
+import asyncio
 import itertools
 import json
 import math
@@ -208,3 +209,109 @@ def test_eval_help_names_its_flags():
         assert flag in out.stdout
     missing = _tailrace("eval", "--checkpoint", str(ROOT / "nope"), cwd=ROOT, timeout=60)
     assert missing.returncode == 2 and "tailrace eval: error: --checkpoint: " in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------- in process
+
+
+async def _take(gen, capacity, version):
+    from tailrace.protocol import messages as m
+
+    await gen.send(m.WorkRequest(capacity=capacity, policy_version=version))
+    while True:
+        msg = await asyncio.wait_for(gen.recv(), 20)
+        if isinstance(msg, m.Work):
+            return msg.items
+
+
+def _rollout(item, sample_id, token_ids, version, *, eval_flag):
+    import torch
+
+    from tailrace.protocol import messages as m
+
+    ids = torch.tensor(token_ids, dtype=torch.int32)
+    return m.Rollout(group_id=item.group_id, sample_id=sample_id,
+                     prompt_token_ids=torch.tensor(item.prompt_token_ids, dtype=torch.int32),
+                     completion_token_ids=ids, behaviour_logprobs=torch.full((len(token_ids),), -0.5),
+                     policy_versions=torch.full((len(token_ids),), version, dtype=torch.int32),
+                     min_policy_version=version, max_policy_version=version, finish_reason="stop", eval=eval_flag)
+
+
+async def _until(condition, what):
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(180)
+async def test_eval_work_goes_first_is_never_trained_and_survives_a_dead_generator(tmp_path):
+    """In process, with fake generators: after step 1 the evaluation is handed out before training work,
+    a generator that dies holding it has its eval samples handed out again, an eval sample sent without
+    the flag is dropped, the figures are those of the rewards sent, and both accountings hold."""
+    from tailrace.engine.trainer.service import TrainerService
+    from tailrace.protocol.transport import Client
+
+    cfg = load_config(None, ["--train.steps", "2", "--train.groups_per_step", "1", "--sampling.group_size", "4",
+                             "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0",
+                             "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "svc",
+                             "--eval.every_steps", "1", "--eval.num_prompts", "2", "--eval.n", "2",
+                             "--eval.pass_k", "1,2", "--controller.max_staleness", "0"])
+    service = TrainerService(cfg)
+    tok, eos = service.tokenizer, service.tokenizer.eos_token_id
+
+    def answer(item, right=True):
+        text = tok.decode(item.prompt_token_ids, skip_special_tokens=True)
+        return [tok.convert_tokens_to_ids(c) for c in text[4:-1][::-1] + ("" if right else "q")] + [eos]
+
+    run = asyncio.create_task(service.run())
+    while service.server is None or not service.server.address.rpartition(":")[2].isdigit():
+        await asyncio.sleep(0.02)
+    caps = {"vocab_size": service.vocab_size}
+    async with Client(service.server.address, role="generator", name="b", capabilities=caps) as b:
+        await asyncio.wait_for(b.connect(), 10)
+        async with Client(service.server.address, role="generator", name="a", capabilities=caps) as a:
+            await asyncio.wait_for(a.connect(), 10)
+            (g0,) = await _take(a, 4, 0)
+            for sid in range(4):
+                await a.send(_rollout(g0, sid, answer(g0), 0, eval_flag=False))
+            await _until(lambda: service.evaluator.outstanding == 6, "the evaluation of step 1")
+            items = await _take(a, 8, 1)
+            assert [(i.eval, i.num_samples) for i in items] == [(True, 1), (True, 2), (True, 1), (True, 2), (False, 2)]
+            assert all(i.min_policy_version == 1 and i.group_id >= 1 << 48 for i in items[:4])
+            assert [i.sampling.temperature for i in items[:4]] == [0.0, 1.0, 0.0, 1.0]
+            (g1_rest,) = await _take(b, 8, 1)  # the rest of training group 1; no eval work is left
+            assert not g1_rest.eval and g1_rest.first_sample_id == 2
+        # a is gone (Shutdown): its eval samples and its training samples go out again, eval first
+        await _until(lambda: len(service.evaluator.queue) == 6, "a's eval samples back in the queue")
+        again = await _take(b, 8, 1)
+        evals, training = [i for i in again if i.eval], [i for i in again if not i.eval]
+        assert sum(i.num_samples for i in evals) == 6 and sum(i.num_samples for i in training) == 2
+        greedy = {i.group_id for i in items[:4] if i.num_samples == 1}
+        first_prompt = items[0].prompt_token_ids
+        for item in evals:  # prompt 0: greedy right, samples right and wrong; prompt 1: all wrong
+            right = item.prompt_token_ids == first_prompt and (item.group_id in greedy or item.first_sample_id == 0)
+            await b.send(_rollout(item, item.first_sample_id, answer(item, right), 1, eval_flag=True))
+        await b.send(_rollout(evals[0], evals[0].first_sample_id, answer(evals[0]), 1, eval_flag=False))
+        for item in (g1_rest, *training):
+            for sid in range(item.first_sample_id, item.first_sample_id + item.num_samples):
+                await b.send(_rollout(item, sid, answer(item), 1, eval_flag=False))
+        await _until(lambda: service.learner.step_count == 2 and len(service.evaluator.queue) == 4,
+                     "the evaluation of step 2")
+        for item in await _take(b, 8, 2):
+            for sid in range(item.first_sample_id, item.first_sample_id + item.num_samples):
+                await b.send(_rollout(item, sid, answer(item), 2, eval_flag=True))
+        summary = await asyncio.wait_for(run, 60)
+    assert summary["steps"] == 2 and summary["samples_trained"] == 8
+    assert {k: n for k, n in summary["discarded"].items() if n} == {"generator_dead": 2}
+    assert summary["samples_handed_out"] == 10 == summary["samples_trained"] + sum(summary["discarded"].values())
+    ev = summary["eval"]
+    assert (ev["samples_handed_out"], ev["samples_scored"], ev["samples_redispatched"], ev["evaluations"]) == (18, 12, 6, 2)
+    assert service.counters["rollouts_dropped/unknown_group"] == 1  # the unflagged eval sample
+    lines = [json.loads(line) for line in (tmp_path / "svc" / "metrics.jsonl").read_text().splitlines()]
+    first, second = ({k: v for k, v in line.items() if k.startswith(("eval/greedy/accuracy", "eval/pass@"))}
+                     for line in lines)
+    assert first == {"eval/greedy/accuracy": 0.5, "eval/pass@1": 0.25, "eval/pass@2": 0.5}
+    assert second == {"eval/greedy/accuracy": 1.0, "eval/pass@1": 1.0, "eval/pass@2": 1.0}
+    assert [line["eval/policy_version"] for line in lines] == [1, 2]
