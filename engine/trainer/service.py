@@ -40,11 +40,11 @@ from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, loop_probe, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
+from tailrace.engine.trainer.evaluation import Evaluator
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
-from tailrace.engine.trainer.evaluation import Evaluator
-from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed, reward_detail_metrics  # noqa: F401 (tests)
+from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed, reward_detail_metrics
 from tailrace.engine.trainer.trace import TraceLog
 from tailrace.engine.weights import WeightsStore
 from tailrace.protocol import messages as m
