@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                               "prompts (eval.source, eval.num_prompts: one greedy sample and eval.n at "
                               "eval.temperature each, seeded), score them with the built-in task functions or "
                               "--fn, print one line (and, with --json, a JSON line). Settings: the run's "
-                              "config.toml next to the checkpoint, then --config. " + OVERRIDES_HELP)
+                              "config.toml (runs/<name>/, above checkpoint/), then --config. " + OVERRIDES_HELP)
     evaluate.add_argument("--checkpoint", required=True,
                           help="runs/<name>/checkpoint/latest or .../step_NNNNNN (what from_pretrained loads)")
     evaluate.add_argument("--config", help="TOML run config over the run's own (eval, data, sampling sections apply)")

@@ -187,8 +187,8 @@ def test_run_with_evaluation_then_eval_of_its_checkpoint(tmp_path):
     assert ev["last"] == {k: v for k, v in lines[3].items() if k.startswith("eval/")}
 
     checkpoint = run_dir / "checkpoint" / "latest"
-    outs = [_tailrace("eval", "--checkpoint", str(checkpoint), "--json", *EVAL_ARGS, cwd=tmp_path, timeout=300)
-            for _ in range(2)]
+    # no eval settings given: they come from the run's config.toml
+    outs = [_tailrace("eval", "--checkpoint", str(checkpoint), "--json", cwd=tmp_path, timeout=300) for _ in range(2)]
     figures = []
     for out in outs:
         assert out.returncode == 0, out.stdout + out.stderr
@@ -200,6 +200,12 @@ def test_run_with_evaluation_then_eval_of_its_checkpoint(tmp_path):
     assert all(not math.isnan(figures[0][k]) for k in ("eval/greedy/reward_mean", "eval/pass@3"))
     in_run = {k: v for k, v in lines[3].items() if k.startswith("eval/") and k != "eval/seconds"}
     assert in_run == {k: v for k, v in figures[0].items() if k.startswith("eval/")}  # the same model, the same figures
+    (tmp_path / "lenient.py").write_text("def score(prompt, completion, metadata):\n    return 1.0\n")
+    out = _tailrace("eval", "--checkpoint", str(checkpoint), "--json", "--fn", "lenient:score", "--eval.n", "2",
+                    "--eval.pass_k", "2", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lenient = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (lenient["eval/greedy/accuracy"], lenient["eval/pass@2"], lenient["n"]) == (1.0, 1.0, 2)
 
 
 def test_eval_help_names_its_flags():
