@@ -231,6 +231,30 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int = 0  # evaluate after every N optimizer steps (README, "Evaluation"); 0 = off
+    source: str = "synthetic"  # "synthetic": a held-out split of data.task's prompts, never trained on; or a .jsonl / .parquet file or "hf:NAME[:SPLIT]", read like data.source
+    num_prompts: int = 32  # prompts per evaluation (files: the first rows; 0 = every row of the file)
+    n: int = 4  # samples per prompt at eval.temperature, for pass@k (besides one greedy sample)
+    temperature: float = 1.0  # of the n samples; top_p, top_k and max_new_tokens are sampling's
+    pass_k: tuple[int, ...] = (1, 4)  # the k of pass@k (unbiased estimator of Chen et al. 2021), each <= eval.n
+    correct_reward: float = 1.0  # a sample counts as correct (accuracy, pass@k) when its reward is >= this
+    timeout_s: float = 600.0  # an evaluation not answered in full after this long is given up (said, not reported)
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "eval.every_steps", "must be >= 0")
+        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0")
+        _check(self.num_prompts >= 1 or self.source != "synthetic", "eval.num_prompts",
+               "must be >= 1 with eval.source synthetic (0 = every row is for files)")
+        _check(self.n >= 1, "eval.n", "must be >= 1")
+        _check(0.0 <= self.temperature <= 100.0, "eval.temperature", "must be in [0, 100]")
+        _check(bool(self.pass_k) and all(1 <= k <= self.n for k in self.pass_k), "eval.pass_k",
+               f"{list(self.pass_k)} must be a non-empty list of k in [1, eval.n = {self.n}]")
+        _check(len(set(self.pass_k)) == len(self.pass_k), "eval.pass_k", "lists a k twice")
+        _check(self.timeout_s > 0, "eval.timeout_s", "must be > 0")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     bind: str = "tcp://127.0.0.1:5555"  # port 0 = a free one (printed, in endpoint.json); tailrace run: port 0 unless set
     run_name: str = ""  # "" = a timestamped name
@@ -328,6 +352,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -338,6 +363,8 @@ class RunConfig:
         _check(not lora.enabled or not lora.dropout or self.train.replay == "naive", "model.lora.dropout",
                f"{lora.dropout} > 0 draws different masks per forward, which branch-replay cannot reproduce "
                f"exactly: set it to 0 or train.replay = \"naive\" (train.replay is {self.train.replay!r})")
+        _check(not (self.eval.every_steps and self.train.algorithm == "dpo"), "eval.every_steps",
+               "evaluation samples on generators, and train.algorithm dpo has none (set it to 0)")
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

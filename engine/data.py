@@ -7,7 +7,8 @@ A source has a position (rows consumed so far, counted over all epochs) that che
 `--resume` continues at the same prompt, also inside an epoch. File data is read data.epochs times, each
 epoch in file order or, with data.shuffle, in an order drawn from data.seed and the epoch number (so a
 resumed run sees the same order). Prompts whose tokens leave no room for max_new_tokens in the model's
-context are skipped and counted (`skipped_too_long`), never handed out. Test: pytest tests/engine/test_data.py
+context are skipped and counted (`skipped_too_long`), never handed out; so are the evaluation's prompts
+(`held_out`, `skipped_held_out`). Test: pytest tests/engine/test_data.py
 """
 
 from __future__ import annotations
@@ -101,12 +102,18 @@ def _row_table(cfg: DataConfig) -> Sequence[dict[str, Any]] | ParquetRows:
 class PromptSource:
     """Iterator of PromptRecord from the configured source, starting at `position`."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, position: int = 0):
+    def __init__(self, cfg: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, position: int = 0,
+                 held_out: frozenset[str] = frozenset(), split: str = "train"):
+        """held_out: prompt texts never yielded (the evaluation's prompts), skipped and counted.
+        split: the synthetic stream ("eval": the held-out one, engine/tasks.py)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.position = position
+        self.held_out = held_out
+        self.split = split
         self.skipped_too_long = 0
+        self.skipped_held_out = 0
         self.num_rows: int | None = None  # rows per epoch; None for the endless synthetic stream
         self._chat = ChatTemplate(cfg.chat_template, tokenizer)  # a bad data.chat_template fails here
         if cfg.source == "synthetic":
@@ -132,7 +139,7 @@ class PromptSource:
     def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
         from tailrace.engine.tasks import synthetic_prompts
 
-        for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position):
+        for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position, split=self.split):
             yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
 
     def _epoch_rows(self, table: Sequence[dict[str, Any]] | ParquetRows) -> Iterator[dict[str, Any]]:
@@ -160,6 +167,9 @@ class PromptSource:
             index = self.position
             self.position += 1
             token_ids, text, answer = self._encode(row, index)
+            if text in self.held_out:
+                self.skipped_held_out += 1
+                continue
             if len(token_ids) > self.max_prompt_tokens:
                 self.skipped_too_long += 1
                 continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +128,20 @@ class RewardDispatcher:
         except RewardUnavailable as exc:
             raise ServerGone(str(exc)) from exc
         return _check_reward(score.reward)[0], dict(score.details)
+
+
+def reward_detail_metrics(groups: list[Any]) -> dict[str, float]:
+    """trainer/reward/details/<key> (mean) and <key>_count over the samples of a step whose reward
+    function returned that key."""
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for sample in (s for g in groups for s in g.samples):
+        for key, value in sample.reward_details.items():
+            values[key].append(value)
+    out: dict[str, float] = {}
+    for key, vs in sorted(values.items()):
+        out[f"trainer/reward/details/{key}"] = statistics.fmean(vs)
+        out[f"trainer/reward/details/{key}_count"] = len(vs)
+    return out
 
 
 def _check_reward(reward: Any) -> tuple[float, dict[str, float]]:
