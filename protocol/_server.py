@@ -21,6 +21,7 @@ from tailrace.protocol._offload import OffLoopDecoder
 from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
+    BindFailed,
     Endpoint,
     Ticks,
     bind_address,
@@ -94,6 +95,15 @@ class PeerEvent:
     @property
     def name(self) -> str:
         return self.peer.name
+
+
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """sock.bind, with a failure that names the address (another process may take a port between a
+    preflight check and this bind)."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise BindFailed(address, exc.strerror) from None
 
 
 class Server(Endpoint):
@@ -179,10 +189,10 @@ class Server(Endpoint):
             router = self._router.sock
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail loudly, never block
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer keeps its session
-            router.bind(self.address)
+            _bind(router, self.address)
             self.address = router.last_endpoint.decode()
             self._pub = self._socket(zmq.PUB, curve_server_secret=self._curve_secret)
-            self._pub.sock.bind(notice_bind_address(self.address))
+            _bind(self._pub.sock, notice_bind_address(self.address))
             self.notice_address = self._pub.sock.last_endpoint.decode()
         except BaseException:
             await self._close_all()

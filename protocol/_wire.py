@@ -71,6 +71,15 @@ class ConnectTimeout(TransportError, TimeoutError):
     """No Welcome within the connect timeout."""
 
 
+class BindFailed(TransportError):
+    """The server could not bind its address (a port in use, a host it does not have)."""
+
+    def __init__(self, address: str, reason: str):
+        super().__init__(f"cannot bind {address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+
 def split_scheme(address: str) -> tuple[str, str]:
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:

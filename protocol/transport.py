@@ -32,6 +32,7 @@ from tailrace.protocol._auth import load_client_roles
 from tailrace.protocol._client import Client
 from tailrace.protocol._server import Peer, PeerEvent, Server
 from tailrace.protocol._wire import (
+    BindFailed,
     ConnectionLost,
     ConnectTimeout,
     Rejected,
@@ -40,7 +41,7 @@ from tailrace.protocol._wire import (
     read_key,
 )
 
-__all__ = ["Client", "ConnectTimeout", "ConnectionLost", "Peer", "PeerEvent", "Rejected", "Server",
+__all__ = ["BindFailed", "Client", "ConnectTimeout", "ConnectionLost", "Peer", "PeerEvent", "Rejected", "Server",
            "TransportError", "generate_keypair", "load_client_roles", "read_key", "run"]
 
 

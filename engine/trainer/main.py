@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -51,7 +52,9 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
 
     torch.set_num_threads(cfg.launch.torch_threads)
     info = dist.init_from_env(timeout_s=cfg.train.fsdp.collective_timeout_s)
-    with preflight.removed_if_start_fails(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name):
+    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    fresh = not run_dir.exists()
+    with preflight.removed_if_start_fails(run_dir):
         if cfg.train.algorithm == "dpo":  # preference pairs from data.source: no peers, no protocol
             if info.world_size > 1:
                 raise ValueError("train.algorithm = dpo trains on one rank: run without torchrun")
@@ -62,14 +65,19 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
             from tailrace.engine.trainer.service import TrainerService
 
             role = TrainerService(cfg, resume=args.resume, make_learner=make_learner)
-    if cfg.train.algorithm == "dpo":
-        summary = role.run()
-    elif info.world_size > 1:
-        summary = _run_ranks(cfg, args.resume, make_learner, info.rank)
-    else:
-        from tailrace.protocol.transport import run
+    from tailrace.protocol.transport import BindFailed, run
 
-        summary = run(role.run())
+    try:
+        if cfg.train.algorithm == "dpo":
+            summary = role.run()
+        elif info.world_size > 1:
+            summary = _run_ranks(cfg, args.resume, make_learner, info.rank)
+        else:
+            summary = run(role.run())
+    except BindFailed as exc:  # the port went between the preflight check and the bind: nothing ran yet
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise ValueError(f"trainer.bind: {exc}; pick another port, or port 0 for a free one") from None
     if summary is not None:
         print(f"tailrace trainer: {report.summary_line(summary)}")
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))  # last: for scripts

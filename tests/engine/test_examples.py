@@ -86,3 +86,30 @@ def test_the_gpu_example_names_a_gpu_and_vllm():
     cfg = load_config(ROOT / "examples" / "qwen05b_gpu.toml")
     assert cfg.model.device == "cuda" and cfg.generator.backend == "vllm"
     assert cfg.reward.functions and cfg.data.source == "hf:openai/gsm8k:main:train"
+
+
+def _readme_block(section: str, language: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    body = readme[readme.index(f"\n## {section}\n"):]
+    body = body[: body.index("\n## ", 1)]
+    start = body.index(f"```{language}\n") + len(f"```{language}\n")
+    return body[start: body.index("```", start)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_readme_python_api_example_runs_as_written(tmp_path):
+    """README's "Python API" snippet, verbatim, in a folder holding the examples (it names
+    examples/arithmetic/prompts.jsonl), with its 20 steps."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    code = _readme_block("Python API", "python")
+    assert "tailrace.run(cfg, reward_fn=score)" in code
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=380)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reward_last, checkpoint = done.stdout.split()[-2:]
+    assert 0.0 <= float(reward_last) <= 1.0
+    assert (Path(checkpoint) if Path(checkpoint).is_absolute() else tmp_path / checkpoint).joinpath("config.json").is_file()
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert summary["steps"] == 20 and summary["scored_by"]["server"] >= 20 * 8 * 8

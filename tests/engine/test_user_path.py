@@ -64,6 +64,22 @@ def test_port_in_use_is_one_line_naming_trainer_bind():
     preflight.check_bind_free("ipc:///tmp/whatever")
 
 
+@pytest.mark.timeout(120)
+def test_a_port_taken_after_the_preflight_check_is_one_line_and_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    """The race the preflight probe cannot close: another process binds the port before the trainer does."""
+    monkeypatch.setattr(preflight, "check_bind_free", lambda *a, **k: None)  # as if the port went just after it
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["trainer", "--trainer.bind", f"tcp://127.0.0.1:{port}", "--trainer.runs_dir",
+                         str(tmp_path / "runs"), "--trainer.run_name", "taken"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"tailrace trainer: error: trainer.bind: cannot bind tcp://127.0.0.1:{port}"), err
+    assert "pick another port" in err[-1]
+    assert not (tmp_path / "runs" / "taken").exists()
+
+
 @pytest.mark.timeout(60)
 def test_run_with_a_missing_model_fails_at_once_and_leaves_no_run_folder(tmp_path):
     started = time.monotonic()
