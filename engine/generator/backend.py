@@ -479,9 +479,16 @@ class TorchBackend:
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
         num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
-        emit_counts = num_emit_B.tolist()  # one sync for the total and the widest row
+        last_B = num_emit_B - 1
+        # Emission is cut at the first stop, so only the last emitted token can be one.
+        hit_B = stop_BN[arange_B, last_B]
+        done_B = hit_B | (num_gen_B + num_emit_B >= self._limit_R[rows])
+        # The step's one host sync: emitted tokens (the total and the widest row), accepted drafts (for
+        # the statistics), and the rows that finish.
+        emit_counts, accepted, done, hit = torch.stack(
+            (num_emit_B, num_accepted_B, done_B.to(torch.int64), hit_B.to(torch.int64))).tolist()
         num_emitted = sum(emit_counts)
-        self._spec.commit(arm, tokens_BN, num_emit_B, emit_counts, hidden_BNH, num_accepted_B)
+        self._spec.commit(arm, tokens_BN, num_emit_B, emit_counts, hidden_BNH, accepted)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
         self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
@@ -489,11 +496,11 @@ class TorchBackend:
         self._out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
         num_gen_B += num_emit_B
         self._pos_R[rows] += num_emit_B
-        last_B = num_emit_B - 1
         self._pending_R[rows] = tokens_BN[arange_B, last_B]
         self.stats.num_generated_tokens += num_emitted
-        # emission is cut at the first stop, so only the last emitted token can be one
-        return self._collect_done(stop_BN[arange_B, last_B], num_gen_B, rows)
+        self._stamp_first_tokens()
+        done_rows = [row for row, is_done in enumerate(done) if is_done]
+        return self._finish_rows(done_rows, ["stop" if hit[row] else "length" for row in done_rows])
 
     def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
         """Build the Finished of these running rows and remove them from the batch."""

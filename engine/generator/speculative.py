@@ -450,9 +450,9 @@ class SpeculativeDecoder:
         return hidden_BNH, p_BNV
 
     def commit(self, arm: Arm, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, emit_counts: list[int],
-               hidden_BNH: torch.Tensor, num_accepted_B: torch.Tensor) -> None:
+               hidden_BNH: torch.Tensor, accepted: list[int]) -> None:
         """Keep the fed columns of emitted tokens, drop the rest, advance the pending token (emit_counts:
-        num_emit_B on the host). The columns no row keeps (past the widest row's emitted tokens) are
+        num_emit_B on the host; accepted: each row's accepted drafts, on the host). The columns no row keeps (past the widest row's emitted tokens) are
         handed back: end advances by that many, not k + 1, so a batch of one never leaves holes and
         attention windows stay short."""
         b, kv, k = self.backend, self.backend._kv, arm.k
@@ -475,7 +475,10 @@ class SpeculativeDecoder:
         self._stale_carry = 0
         self.stats.num_drafted += k * num_rows
         self.stats.num_emitted += sum(emit_counts)
-        self.stats.record(k, torch.bincount(num_accepted_B, minlength=k + 1).tolist(), arm.drafter)  # one sync
+        accept_counts = [0] * (k + 1)
+        for num in accepted:
+            accept_counts[num] += 1
+        self.stats.record(k, accept_counts, arm.drafter)
 
 
 class FixedDepth:

@@ -14,7 +14,14 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.bandit import DEFAULT_ARMS, SpecBandit, arm_key, arms_for, bucket_label, bucket_of
+from tailrace.engine.generator.bandit import (
+    DEFAULT_ARMS,
+    SpecBandit,
+    arm_key,
+    arms_for,
+    bucket_label,
+    bucket_of,
+)
 from tailrace.engine.generator.speculative import OFF, Arm, telemetry
 from tailrace.protocol.messages import SamplingParams
 
