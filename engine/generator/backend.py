@@ -9,8 +9,9 @@ Every step feeds each running row exactly one token (a new row's first fed token
 token), so sampling, log-probs, versions and stop checks happen once per step, batched. Rows and
 their key/value columns live in kv.SlotKVCache; attention masks and positions are built here and
 passed to the model, so no Hugging Face mask or cache logic is involved.
-Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit) replaces the
-decode step by speculative.SpeculativeDecoder.step: k drafted tokens verified by one _forward() with
+Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit, choosing an arm:
+off, eagle@k or the model-free suffix@k) replaces the decode step by speculative.SpeculativeDecoder.step
+(one host sync per step): k drafted tokens verified by one _forward() with
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others

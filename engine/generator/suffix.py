@@ -90,9 +90,11 @@ class SuffixDrafter:
 
     Memory is bounded: at most max_prompts indexes (least recently used dropped; running samples keep
     theirs), and a prompt's index that holds max_seqs samples is replaced by a fresh one (prompt only)
-    for the samples that start after that."""
+    for the samples that start after that. The defaults cover the groups a generator has in flight (a
+    prompt's samples are decoded close together) at about max_prompts * max_seqs * max_ngram dict
+    entries per token of a sample."""
 
-    def __init__(self, max_ngram: int = 4, max_prompts: int = 256, max_seqs: int = 64):
+    def __init__(self, max_ngram: int = 4, max_prompts: int = 16, max_seqs: int = 32):
         if max_prompts < 1 or max_seqs < 1:
             raise ValueError(f"max_prompts and max_seqs must be >= 1, got {max_prompts}, {max_seqs}")
         self.max_ngram, self.max_prompts, self.max_seqs = max_ngram, max_prompts, max_seqs
