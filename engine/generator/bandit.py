@@ -3,13 +3,13 @@ k drafts of the EAGLE drafter (eagle@k) or of the model-free suffix drafter (suf
 
     choose(num_running) -> bucket of the running-batch size (1, 2, 3-4, 5-8, ... powers of two)
                         -> the next arm owed its first tries in this bucket (see below), else with
-                           probability epsilon_n (and within the exploration budget) a uniform random
-                           arm, else the best recent reward
+                           probability epsilon_n (and within the exploration budget) off or a uniform
+                           random arm (half each), else the best recent reward
     update(num_running, arm, num_tokens, seconds) -> reward window of (bucket, arm)
 
 Reward = emitted tokens per second of decode time over a sliding window of the arm's last `window`
-steps in that bucket (sum of tokens / sum of seconds), so the estimate follows a drafter that gets
-better (or a policy that drifts away from it). Every bucket holds every arm, off included: where
+steps in that bucket (mean tokens per step / median step time: robust to preempted steps on a shared
+machine), so the estimate follows a drafter that gets better (or a policy that drifts away from it). Every bucket holds every arm, off included: where
 speculation loses, the bandit turns it off — for that batch size only. It duck-types as the backend's
 depth policy (TorchBackend.enable_speculation).
 
@@ -27,6 +27,7 @@ Test: pytest tests/engine/test_bandit.py
 from __future__ import annotations
 
 import random
+import statistics
 from collections import deque
 from collections.abc import Sequence
 
@@ -59,29 +60,34 @@ def bucket_label(bucket: int) -> str:
 
 
 class _Arm:
-    __slots__ = ("window", "tokens", "seconds", "num_chosen")
+    __slots__ = ("window", "tokens", "num_chosen", "_reward")
 
     def __init__(self, window: int):
         self.window: deque[tuple[int, float]] = deque(maxlen=window)
         self.tokens = 0
-        self.seconds = 0.0
         self.num_chosen = 0
+        self._reward: float | None = None
 
     def add(self, tokens: int, seconds: float) -> None:
         if len(self.window) == self.window.maxlen:
-            old_tokens, old_seconds = self.window[0]
-            self.tokens -= old_tokens
-            self.seconds -= old_seconds
+            self.tokens -= self.window[0][0]
         self.window.append((tokens, seconds))
         self.tokens += tokens
-        self.seconds += seconds
+        self._reward = None
 
     @property
     def reward(self) -> float | None:
-        """Tokens per second over the window, None before any observation."""
+        """Mean tokens per step over the window divided by the median step time, None before any
+        observation. A step's time at a given arm and batch size is nearly constant but for the
+        machine's interruptions (a preempted step takes many times longer): the median ignores them,
+        where a sum of seconds lets one slow step sink an arm's first tries."""
         if not self.window:
             return None
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        if self._reward is None:
+            median_s = statistics.median(seconds for _, seconds in self.window)
+            mean_tokens = self.tokens / len(self.window)
+            self._reward = mean_tokens / median_s if median_s > 0 else float("inf")
+        return self._reward
 
 
 class SpecBandit:
@@ -170,10 +176,17 @@ class SpecBandit:
         if arm is None:
             explored = (self._rng.random() < self.epsilon_now(num_running)
                         and explore_s <= self.max_explore_share * decode_s)
-            arm = self._rng.choice(self.arms) if explored else self.best(num_running)
+            arm = self._explore_arm() if explored else self.best(num_running)
         arms[arm].num_chosen += 1
         self.last_choice = (bucket, arm, explored)
         return arm
+
+    def _explore_arm(self) -> Arm:
+        """Half of the explorations re-measure off (the baseline every arm is judged against, cheap
+        exactly where speculation loses), the rest pick a uniform random arm."""
+        if OFF in self.arms and self._rng.random() < 0.5:
+            return OFF
+        return self._rng.choice(self.arms)
 
     def update(self, num_running: int, arm, num_tokens: int, seconds: float) -> None:
         """One step's outcome: num_tokens emitted by all rows in `seconds` of decoding with `arm`."""
