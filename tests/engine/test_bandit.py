@@ -110,7 +110,7 @@ def test_explores_with_probability_epsilon(epsilon):
     # Half the explorations re-measure off (the best arm in one bucket of three), the other half pick a
     # random arm, which lands on the best one 1 time in 7.
     expected = epsilon * (0.5 * 2 / 3 + 0.5 * (len(EAGLE_ONLY) - 1) / len(EAGLE_ONLY))
-    assert explored == pytest.approx(expected, abs=0.025)
+    assert explored == pytest.approx(expected, abs=0.01)
 
 
 def test_follows_a_reward_that_changes():
