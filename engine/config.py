@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 BACKENDS = ("torch", "vllm", "sglang")  # generator.backend: engine/generator/interface.py builds them
+SPECULATION = ("auto", "on", "eagle", "suffix", "off")  # generator.speculation
 
 
 def _check(cond: bool, name: str, text: str) -> None:
@@ -283,7 +284,7 @@ class GeneratorConfig:
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
     in_flight_kv: str = "keep"  # with in_flight_update: running samples keep their KV cache (keep) or recompute it under the new weights (recompute)
-    speculation: bool = False  # speculative decoding with a drafter trained while idle, depth by a bandit
+    speculation: str | bool = "auto"  # speculative decoding (torch backend): per running-batch size a bandit picks each step plain decoding or k drafts of the drafter trained while idle (eagle) or of the model-free suffix drafter (the text of the prompt's other samples); auto: all, off on other backends; on (true): all; eagle or suffix: that drafter only; off (false)
     drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
@@ -292,7 +293,12 @@ class GeneratorConfig:
         _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
         _check(self.in_flight_kv in ("keep", "recompute"), "generator.in_flight_kv",
                f"{self.in_flight_kv!r} is not one of keep, recompute")
-        _check(self.backend == "torch" or not self.speculation, "generator.speculation",
+        # Booleans, the setting's earlier type, stay valid: true is on, false is off.
+        value = ("on" if self.speculation else "off") if isinstance(self.speculation, bool) else self.speculation
+        self.speculation = {"true": "on", "false": "off"}.get(value.lower(), value.lower())
+        _check(self.speculation in SPECULATION, "generator.speculation",
+               f"{self.speculation!r} is not one of {', '.join(SPECULATION)}, true, false")
+        _check(self.backend == "torch" or self.speculation in ("auto", "off"), "generator.speculation",
                f"speculative decoding runs on the torch backend only, not {self.backend!r}")
         _check(self.backend == "torch" or not self.tree_fork_depths, "generator.tree_fork_depths",
                f"tree sampling runs on the torch backend only, not {self.backend!r}")
@@ -305,6 +311,14 @@ class GeneratorConfig:
         _check(depths is not None and all(d >= 1 for d in depths) and list(depths) == sorted(set(depths)),
                "generator.tree_fork_depths", f"{self.tree_fork_depths!r} is not a comma-separated list of "
                "strictly ascending depths >= 1")
+
+    @property
+    def spec_drafters(self) -> tuple[str, ...]:
+        """The drafters speculation may use: () when it is off (auto on a backend without speculation
+        included)."""
+        if self.speculation == "off" or (self.speculation == "auto" and self.backend != "torch"):
+            return ()
+        return ("eagle", "suffix") if self.speculation in ("auto", "on") else (self.speculation,)
 
     @property
     def fork_depths(self) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BENCHES: dict[str, str] = {
     "protocol": "tools.benches.protocol:run",  # codec + transport: rollout messages/s, tensor GB/s vs raw zmq
-    "spec": "tools.benches.spec:run",  # speculative decoding vs plain at running batch 1/2/4, after drafter training
+    "spec": "tools.benches.spec:run",  # speculative decoding (bandit; eagle / suffix drafters) vs plain at running batch 1-16
     "pipeline": "tools.benches.pipeline:run",  # sync vs stream, real and modelled compute: wall time ratio
     "replay": "tools.benches.replay:run",  # branch-replay: naive vs replay vs packed step, efficiency vs FLOP ideal
     "faults": "tools.benches.faults:run",  # kill -9 of each role, a silent generator, a fuzz burst vs a clean run

@@ -9,8 +9,9 @@ Every step feeds each running row exactly one token (a new row's first fed token
 token), so sampling, log-probs, versions and stop checks happen once per step, batched. Rows and
 their key/value columns live in kv.SlotKVCache; attention masks and positions are built here and
 passed to the model, so no Hugging Face mask or cache logic is involved.
-Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit) replaces the
-decode step by speculative.SpeculativeDecoder.step: k drafted tokens verified by one _forward() with
+Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit, choosing an arm:
+off, eagle@k or the model-free suffix@k) replaces the decode step by speculative.SpeculativeDecoder.step
+(one host sync per step): k drafted tokens verified by one _forward() with
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
@@ -39,7 +40,7 @@ from tailrace.engine.generator.requests import (
     weight_items,
 )
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
-from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, SpeculativeDecoder
+from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, OFF, Arm, SpeculativeDecoder, as_arm
 from tailrace.engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
 from tailrace.engine.models import cache_kwarg, check_supported, sliding_window
 from tailrace.protocol.messages import SamplingParams
@@ -58,6 +59,7 @@ class _Seq:
     branches: list[_Seq] = field(default_factory=list)
     next_fork: int = 0
     tree_done: bool = False  # a held sample given back: it runs as an ordinary request
+    suffix: object = None  # speculative decoding: the sample's text in its prompt's suffix index
 
 
 class TorchBackend:
@@ -165,9 +167,10 @@ class TorchBackend:
     # ------------------------------------------------------------------ speculative decoding
 
     def enable_speculation(self, drafter, depth_policy, *, max_traces: int | None = None) -> None:
-        """Decode speculatively with `drafter` (a drafter.Drafter of this policy), at the depth k that
-        depth_policy.choose(num_running) picks each step (0 = a plain step); depth_policy.update gets
-        each step's emitted tokens and seconds. Finished rollouts leave traces for the spot trainer
+        """Decode speculatively with `drafter` (a drafter.Drafter of this policy) or the model-free
+        suffix drafter, as depth_policy.choose(num_running) picks each step (a speculative.Arm, or a
+        depth k of the drafter; 0 = a plain step); depth_policy.update gets each step's arm, emitted
+        tokens and seconds. Finished rollouts leave traces for the spot trainer
         (at most max_traces kept, default 4 x max_batch_size; 0 keeps none and skips capturing them).
         Call before any request runs."""
         if self._seqs or self._kv.end:
@@ -246,19 +249,19 @@ class TorchBackend:
             return []
         start_s = time.monotonic()
         num_rows, num_before = len(self._seqs), self.stats.num_generated_tokens
-        k = self._choose_depth(num_rows)
-        if k == 0:
+        arm = self._choose_arm(num_rows)
+        if arm.k == 0:
             tokens_B, logprobs_B = self._decode_step()
             finished = self._record_and_collect(tokens_B, logprobs_B)
         else:
-            finished = self._speculative_step(k)
+            finished = self._speculative_step(arm)
         if self.tree is not None:
             self._fork_rows()
         self.stats.num_steps += 1
         step_s = time.monotonic() - start_s
         self.stats.decode_s += step_s
         if self._depth_policy is not None:
-            self._depth_policy.update(num_rows, k, self.stats.num_generated_tokens - num_before, step_s)
+            self._depth_policy.update(num_rows, arm, self.stats.num_generated_tokens - num_before, step_s)
         return finished
 
     def drain(self) -> list[Finished]:
@@ -461,25 +464,32 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ speculative decoding
 
-    def _choose_depth(self, num_rows: int) -> int:
+    def _choose_arm(self, num_rows: int) -> Arm:
         # Not capped by the rows' remaining budgets: that would make a seeded row's tokens depend on
         # the other rows of the batch (its uniforms per step depend on k); surplus drafts are cut.
-        return 0 if self._spec is None else self._depth_policy.choose(num_rows)
+        return OFF if self._spec is None else as_arm(self._depth_policy.choose(num_rows))
 
-    def _speculative_step(self, k: int) -> list[Finished]:
+    def _speculative_step(self, arm: Arm) -> list[Finished]:
         """One speculative step (speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
         at their budget."""
-        num_rows = len(self._seqs)
+        num_rows, k = len(self._seqs), arm.k
         rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]
-        tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH = self._spec.step(k)
+        tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH = self._spec.step(arm)
         stop_BN = (self._stop_RS[rows, None, :] == tokens_BN[:, :, None]).any(-1)
         num_new = k + 1
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
         num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
-        emit_counts = num_emit_B.tolist()  # one sync for the total and the widest row
+        last_B = num_emit_B - 1
+        # Emission is cut at the first stop, so only the last emitted token can be one.
+        hit_B = stop_BN[arange_B, last_B]
+        done_B = hit_B | (num_gen_B + num_emit_B >= self._limit_R[rows])
+        # The step's one host sync: emitted tokens (the total and the widest row), accepted drafts (for
+        # the statistics), and the rows that finish.
+        emit_counts, accepted, done, hit = torch.stack(
+            (num_emit_B, num_accepted_B, done_B.to(torch.int64), hit_B.to(torch.int64))).tolist()
         num_emitted = sum(emit_counts)
-        self._spec.commit(k, tokens_BN, num_emit_B, emit_counts, hidden_BNH, num_accepted_B)
+        self._spec.commit(arm, tokens_BN, num_emit_B, emit_counts, hidden_BNH, accepted)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
         self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
@@ -487,11 +497,11 @@ class TorchBackend:
         self._out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
         num_gen_B += num_emit_B
         self._pos_R[rows] += num_emit_B
-        last_B = num_emit_B - 1
         self._pending_R[rows] = tokens_BN[arange_B, last_B]
         self.stats.num_generated_tokens += num_emitted
-        # emission is cut at the first stop, so only the last emitted token can be one
-        return self._collect_done(stop_BN[arange_B, last_B], num_gen_B, rows)
+        self._stamp_first_tokens()
+        done_rows = [row for row, is_done in enumerate(done) if is_done]
+        return self._finish_rows(done_rows, ["stop" if hit[row] else "length" for row in done_rows])
 
     def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
         """Build the Finished of these running rows and remove them from the batch."""
@@ -510,6 +520,8 @@ class TorchBackend:
             else:
                 requeue += seq.branches
             seq.branches = []
+            if self._spec is not None and reason != "cancelled":
+                self._spec.on_finish(seq, completion[0].tolist())
             if self._spec is not None and self._spec.traces.maxlen and reason != "cancelled":
                 prompt = torch.tensor(self._seqs[row].request.prompt_ids, dtype=torch.long, device=self.device)
                 self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])), len(prompt))

@@ -112,3 +112,14 @@ def load_backend(cfg: RunConfig) -> Backend:
 
         return sglang_backend(cfg)
     raise ValueError(f"generator.backend: unknown backend {name!r}")
+
+
+def speculation_drafters(cfg: RunConfig, backend: Backend) -> tuple[str, ...]:
+    """The drafters generator.speculation lets this backend use: () when off, and with "auto" on a
+    backend without speculative decoding; ValueError where a setting asks for speculation it lacks."""
+    drafters = cfg.generator.spec_drafters
+    if drafters and not isinstance(backend, SpeculationHooks):
+        if cfg.generator.speculation != "auto":
+            raise ValueError(f"generator.speculation: the {backend.name} backend has no speculative decoding")
+        return ()
+    return drafters

@@ -104,7 +104,7 @@ class GeneratorService:
                  curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S):
         import torch
 
-        from tailrace.engine.generator.interface import load_backend
+        from tailrace.engine.generator.interface import load_backend, speculation_drafters
 
         self.cfg = cfg
         self.address = address
@@ -112,19 +112,21 @@ class GeneratorService:
         self.name = name or f"gen-{os.getpid()}"
         self.curve_server_key, self.curve_secret_key = curve_server_key, curve_secret_key
         self.backend = (make_backend or load_backend)(cfg)
-        self.spot = None
+        self.spot = self.bandit = None
         self.spot_thread: ThreadPoolExecutor | None = None
-        if cfg.generator.speculation:
+        drafters = speculation_drafters(cfg, self.backend)
+        if drafters:
             from tailrace.engine.drafter import load_or_create
-            from tailrace.engine.generator.bandit import SpecBandit
+            from tailrace.engine.generator.bandit import SpecBandit, arms_for
             from tailrace.engine.generator.spot import SpotTrainer
 
             drafter = load_or_create(cfg.generator.drafter_path or None, self.backend.model)
-            self.bandit = SpecBandit()
-            self.backend.enable_speculation(drafter, self.bandit)
-            self.spot = SpotTrainer(drafter)
-            self.spot_thread = ThreadPoolExecutor(1, thread_name_prefix="drafter-training",
-                                                  initializer=background_priority)
+            self.bandit = SpecBandit(arms_for(drafters))
+            self.backend.enable_speculation(drafter, self.bandit, max_traces=None if "eagle" in drafters else 0)
+            if "eagle" in drafters:  # the suffix drafter alone needs no training
+                self.spot = SpotTrainer(drafter)
+                self.spot_thread = ThreadPoolExecutor(1, thread_name_prefix="drafter-training",
+                                                      initializer=background_priority)
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
@@ -435,10 +437,10 @@ class GeneratorService:
             "generator/eval/samples_sent": self.eval_sent,
             "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
         }
-        if self.spot is not None:
+        if self.bandit is not None:
             from tailrace.engine.generator.speculative import telemetry
 
-            counters.update(telemetry(self.backend, self.bandit, self.spot))
+            counters.update(telemetry(self.backend, self.bandit, *[self.spot] * (self.spot is not None)))
             counters["generator/drafter/shared_rejected"] = self.drafters_rejected
         return m.Stats(role="generator", name=self.name, state=self.status,
                        policy_version=self.backend.policy_version, counters=counters, wall_s=time.time())

@@ -19,9 +19,18 @@ One speculative step with depth k, for every running row at once:
               room runs short). Behaviour log-probs are the policy's processed log-probs of the emitted
               tokens; every token is stamped with the current policy version.
 
-Randomness: each row draws 2k + 1 uniforms per step from its own generator (k for drafting, k for the
-acceptance tests, one for the final token), however many tokens it accepts, so a seeded sequence decodes
-the same alone or in any batch for the same k. This module is a friend of backend.TorchBackend: it reads
+Two drafters, chosen per step (an Arm: off, eagle@k, suffix@k):
+    eagle     the drafter model above (catch up + k - 1 draft forwards), q its processed distribution;
+    suffix    suffix.SuffixDrafter, model-free: the text that followed the longest match of the row's
+              last tokens in its prompt and its prompt's other samples; q is a point mass, so d_j is kept
+              with probability p_j(d_j) and a rejection draws from p_j without d_j (accept_point_drafts).
+              The drafter model's keys/values of a suffix step's columns are left stale, as after plain
+              steps, and caught up at the next eagle step.
+
+Randomness: each row draws 2k + 1 uniforms per eagle step from its own generator (k for drafting, k for
+the acceptance tests, one for the final token), however many tokens it accepts, so a seeded sequence
+decodes the same alone or in any batch for the same k; a suffix step draws k + 1 (its drafts, and so a
+seeded row's tokens, depend on the other samples of its prompt). This module is a friend of backend.TorchBackend: it reads
 and writes the backend's row state.
 Test: pytest tests/engine/test_speculative.py
 """
@@ -32,14 +41,50 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from tailrace.engine.drafter import Drafter
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
+from tailrace.engine.generator.suffix import SuffixDrafter, pad_drafts
 
 MAX_DRAFT_TOKENS = 8
 """Largest speculation depth k; the backend keeps this many spare cache columns for it."""
+DRAFTERS = ("eagle", "suffix")
+
+
+class Arm(NamedTuple):
+    """What one decode step does: plain (OFF) or k drafts of one drafter, verified in one forward."""
+
+    drafter: str  # "off" | "eagle" | "suffix"
+    k: int
+
+    def __str__(self) -> str:
+        return "off" if self.k == 0 else f"{self.drafter}@{self.k}"
+
+
+OFF = Arm("off", 0)
+
+
+def as_arm(choice) -> Arm:
+    """An Arm from an Arm, a depth (k drafts of the eagle drafter; 0 = off) or a label "suffix@4"."""
+    if isinstance(choice, Arm):
+        arm = choice
+    elif isinstance(choice, int):
+        arm = Arm("eagle", choice)
+    else:
+        drafter, _, depth = str(choice).partition("@")
+        if drafter == "off" and not depth:
+            return OFF
+        if drafter not in DRAFTERS or not depth.isdigit():
+            raise ValueError(f"speculation arm {choice!r} is not off, eagle@K or suffix@K")
+        arm = Arm(drafter, int(depth))
+    if not 0 <= arm.k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculation depth k must lie in [0, {MAX_DRAFT_TOKENS}], got {arm.k}")
+    if arm.k and arm.drafter not in DRAFTERS:
+        raise ValueError(f"speculation drafter {arm.drafter!r} is not one of {', '.join(DRAFTERS)}")
+    return OFF if arm.k == 0 else arm
 
 
 @dataclass
@@ -68,6 +113,10 @@ class SpecStats:
     # every draft before it accepted), and those of them that accepted it.
     tested_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
     accepted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_TOKENS)
+    # Per drafter (DRAFTERS): speculative steps, drafted and accepted tokens.
+    steps_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFTERS, 0))
+    drafted_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFTERS, 0))
+    accepted_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DRAFTERS, 0))
     draft_s: float = 0.0   # seconds in drafting (drafter catch-up, draft forwards, sampling the drafts)
     verify_s: float = 0.0  # seconds in verification (the policy forward over k + 1 tokens, the acceptance rule)
 
@@ -83,12 +132,15 @@ class SpecStats:
         depths j = 1, 2, ... that were tested."""
         return [a / t for a, t in zip(self.accepted_by_depth, self.tested_by_depth, strict=True) if t]
 
-    def record(self, k: int, accept_counts: list[int]) -> None:
+    def record(self, k: int, accept_counts: list[int], drafter: str = "eagle") -> None:
         """One speculative step of depth k; accept_counts[a]: rows that accepted a drafts."""
         self.num_spec_steps += 1
+        self.steps_by[drafter] += 1
+        self.drafted_by[drafter] += k * sum(accept_counts)
         for a, count in enumerate(accept_counts):
             self.accept_len_hist[a] += count
             self.num_accepted += a * count
+            self.accepted_by[drafter] += a * count
             for j in range(min(a + 1, k)):  # depths 1 .. a + 1 were tested, 1 .. a accepted
                 self.tested_by_depth[j] += count
                 self.accepted_by_depth[j] += count * (j < a)
@@ -101,6 +153,10 @@ class SpecStats:
                "generator/spec/accept_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                "generator/spec/draft_s": self.draft_s, "generator/spec/verify_s": self.verify_s}
         out.update({f"generator/spec/accept_len_{a}": n for a, n in enumerate(self.accept_len_hist)})
+        for name in DRAFTERS:
+            drafted = self.drafted_by[name]
+            out[f"generator/spec/{name}/steps"] = self.steps_by[name]
+            out[f"generator/spec/{name}/accept_rate"] = self.accepted_by[name] / drafted if drafted else 0.0
         out.update({f"generator/spec/accept_rate_depth_{j + 1}": rate
                     for j, rate in enumerate(self.accept_rate_by_depth)})
         return out
@@ -135,6 +191,28 @@ def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, dr
     q_pad_BNV = torch.cat((q_logprobs_BKV.exp(), torch.zeros_like(q_logprobs_BKV[:, :1])), dim=1)
     residual_BV = (p_at_BV - q_pad_BNV[rows_B, num_accepted_B]).clamp_min(0.0)
     # A rejection has positive residual mass in exact arithmetic; rounding alone can empty it.
+    empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
+    final_B1 = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B[:, None])
+    tokens_BN = torch.cat((drafts_BK, final_B1), dim=1)
+    tokens_BN.scatter_(1, num_accepted_B[:, None], final_B1)
+    logprobs_BN = p_logprobs_BNV.gather(-1, tokens_BN[..., None]).squeeze(-1)
+    return num_accepted_B, tokens_BN, logprobs_BN
+
+
+def accept_point_drafts(p_logprobs_BNV: torch.Tensor, drafts_BK: torch.Tensor, u_accept_BK: torch.Tensor,
+                        u_final_B: torch.Tensor):
+    """accept_drafts for drafts that are certain (q = one-hot(d), a model-free drafter), without
+    building q: d_j is kept with probability p_j(d_j); at the first rejection j the token is drawn from
+    p_j with d_j removed (that is normalise(max(0, p_j - q_j))); if all k are kept, from p_{k+1}."""
+    batch, num_drafts = drafts_BK.shape
+    p_draft_BK = p_logprobs_BNV[:, :num_drafts].gather(-1, drafts_BK[..., None]).squeeze(-1).exp()
+    num_accepted_B = (u_accept_BK < p_draft_BK).to(torch.int64).cumprod(-1).sum(-1)
+    rows_B = torch.arange(batch, device=drafts_BK.device)
+    p_at_BV = p_logprobs_BNV[rows_B, num_accepted_B].exp()
+    rejected_B1 = (num_accepted_B < num_drafts)[:, None]
+    draft_at_B1 = drafts_BK.gather(1, num_accepted_B.clamp_max(num_drafts - 1)[:, None])
+    residual_BV = torch.where(rejected_B1, p_at_BV.scatter(1, draft_at_B1, 0.0), p_at_BV)
+    # A rejection leaves positive mass in exact arithmetic; rounding alone (p(d) ~ 1) can empty it.
     empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
     final_B1 = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B[:, None])
     tokens_BN = torch.cat((drafts_BK, final_B1), dim=1)
@@ -183,6 +261,8 @@ class SpeculativeDecoder:
         self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
         self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
         self.stale_back = 0  # columns end - stale_back .. end - 1 lack true-feature drafter keys/values
+        self._stale_carry = 0  # a suffix step's stale columns before its own (commit adds them)
+        self.suffix = SuffixDrafter()
         self.stats = SpecStats()
         self.traces: deque[Trace] = deque(maxlen=max_traces)
         self._batches: dict[int, SamplingBatch] = {}
@@ -242,27 +322,69 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the speculative step
 
-    def step(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One speculative step of depth k for every running row. Returns (tokens [B, k+1], policy
-        log-probs [B, k+1], accepted drafts [B], hidden states [B, k+1, H]); nothing is committed."""
+    def step(self, arm: Arm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculative step of k drafts from arm's drafter for every running row. Returns (tokens
+        [B, k+1], policy log-probs [B, k+1], accepted drafts [B], hidden states [B, k+1, H]); nothing is
+        committed."""
+        k, suffix = arm.k, arm.drafter == "suffix"
         assert 1 <= k <= MAX_DRAFT_TOKENS
         b, kv = self.backend, self.backend._kv
         num_rows = len(b._seqs)
         kv.make_room(num_rows, k + 1)
         batch = self._sampling(num_rows)
-        uniforms_BU = (torch.zeros(num_rows, 2 * k + 1, device=b.device) if batch.all_greedy
-                       else draw_uniforms_many(batch.generators, 2 * k + 1, b.device))
+        num_uniforms = k + 1 if suffix else 2 * k + 1
+        uniforms_BU = (torch.zeros(num_rows, num_uniforms, device=b.device) if batch.all_greedy
+                       else draw_uniforms_many(batch.generators, num_uniforms, b.device))
         start_s = time.perf_counter()
-        drafts_BK, q_BKV = self._draft(num_rows, k, batch, uniforms_BU[:, :k])
+        if suffix:
+            drafts_BK = self._suffix_draft(num_rows, k)
+        else:
+            drafts_BK, q_BKV = self._draft(num_rows, k, batch, uniforms_BU[:, :k])
         drafted_s = time.perf_counter()
         hidden_BNH, p_BNV = self._verify(num_rows, k, drafts_BK)
-        num_accepted_B, tokens_BN, logprobs_BN = accept_drafts(
-            p_BNV, q_BKV, drafts_BK, uniforms_BU[:, k:2 * k], uniforms_BU[:, 2 * k])
+        if suffix:
+            num_accepted_B, tokens_BN, logprobs_BN = accept_point_drafts(
+                p_BNV, drafts_BK, uniforms_BU[:, :k], uniforms_BU[:, k])
+        else:
+            num_accepted_B, tokens_BN, logprobs_BN = accept_drafts(
+                p_BNV, q_BKV, drafts_BK, uniforms_BU[:, k:2 * k], uniforms_BU[:, 2 * k])
         # Host clocks: on an accelerator they time the launches unless something synchronises (the
         # backend's commit does, right after).
         self.stats.draft_s += drafted_s - start_s
         self.stats.verify_s += time.perf_counter() - drafted_s
         return tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH
+
+    def _suffix_draft(self, num_rows: int, k: int) -> torch.Tensor:
+        """Drafts [B, k] from the suffix indexes: each row's new tokens are added to its prompt's index
+        first (one host copy of the columns some row has not added yet), then the longest match of its
+        last tokens proposes; rows with a short or no proposal are padded with their pending token."""
+        b = self.backend
+        # The pending column gets its drafter inputs as in a plain step; its drafter keys/values, and
+        # those of this step's columns, are computed at the next eagle step.
+        self.before_plain_forward(num_rows, b._kv.end)
+        self._stale_carry = self.stale_back + 1
+        texts = []
+        for seq in b._seqs:
+            if seq.suffix is None:
+                seq.suffix = self.suffix.start(seq.request.prompt_ids)
+            texts.append(seq.suffix)
+        num_gen = b._num_gen_R[:num_rows].tolist()
+        lo, hi = min(t.num_indexed for t in texts), max(num_gen)
+        block = b._out_tokens_RL[:num_rows, lo:hi].tolist() if hi > lo else None
+        proposals, fallback = [], []
+        for row, text in enumerate(texts):
+            if num_gen[row] > text.num_indexed:
+                text.index.extend(text.seq_id, block[row][text.num_indexed - lo:num_gen[row] - lo])
+                text.num_indexed = num_gen[row]
+            proposals.append(self.suffix.propose(text, k))
+            fallback.append(text.index.seqs[text.seq_id][-1])
+        return pad_drafts(proposals, k, fallback).to(b.device, non_blocking=True)
+
+    def on_finish(self, seq, completion_ids: list[int]) -> None:
+        """A finished sample's text joins its prompt's index, for the prompt's later samples."""
+        if seq.suffix is None:
+            seq.suffix = self.suffix.start(seq.request.prompt_ids)
+        self.suffix.add_tokens(seq.suffix, completion_ids)
 
     def _sampling(self, num_rows: int) -> SamplingBatch:
         b = self.backend
@@ -297,7 +419,7 @@ class SpeculativeDecoder:
         forward = self.drafter.forward
         hidden_B1H = forward(self.ids_RC[rows, window], self.feats_RCH[rows, window], self.pos_RC[rows, window],
                              mask, cache=kv, layer_idx=self.layer)[:, -1:]
-        self.stale_back = 0
+        self.stale_back = self._stale_carry = 0
         drafts, q_logprobs = [], []
         positions_BK = b._pos_R[rows, None] + torch.arange(k, device=b.device)
         # One-token draft forwards: their masks are prefixes of this one (columns lo .. end + k - 1).
@@ -327,13 +449,13 @@ class SpeculativeDecoder:
         p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
         return hidden_BNH, p_BNV
 
-    def commit(self, k: int, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, emit_counts: list[int],
-               hidden_BNH: torch.Tensor, num_accepted_B: torch.Tensor) -> None:
+    def commit(self, arm: Arm, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor, emit_counts: list[int],
+               hidden_BNH: torch.Tensor, accepted: list[int]) -> None:
         """Keep the fed columns of emitted tokens, drop the rest, advance the pending token (emit_counts:
-        num_emit_B on the host). The columns no row keeps (past the widest row's emitted tokens) are
+        num_emit_B on the host; accepted: each row's accepted drafts, on the host). The columns no row keeps (past the widest row's emitted tokens) are
         handed back: end advances by that many, not k + 1, so a batch of one never leaves holes and
         attention windows stay short."""
-        b, kv = self.backend, self.backend._kv
+        b, kv, k = self.backend, self.backend._kv, arm.k
         num_rows = tokens_BN.shape[0]
         rows, end = slice(0, num_rows), kv.end
         arange_N = torch.arange(k + 1, device=b.device)
@@ -346,25 +468,29 @@ class SpeculativeDecoder:
         self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
         max_emit = max(emit_counts)
         kv.end = end + max_emit
-        # The pending column's drafter keys/values were computed from its true feature; the emitted
-        # drafts after it were fed predicted features, so they are recomputed at the next step.
-        self.stale_back = max_emit - 1
+        # After an eagle step the pending column's drafter keys/values were computed from its true
+        # feature; the emitted drafts after it were fed predicted features, so they are recomputed at
+        # the next step. A suffix step adds its columns to the stale ones it found (_stale_carry).
+        self.stale_back = max_emit - 1 + self._stale_carry
+        self._stale_carry = 0
         self.stats.num_drafted += k * num_rows
         self.stats.num_emitted += sum(emit_counts)
-        self.stats.record(k, torch.bincount(num_accepted_B, minlength=k + 1).tolist())  # one sync
+        accept_counts = [0] * (k + 1)
+        for num in accepted:
+            accept_counts[num] += 1
+        self.stats.record(k, accept_counts, arm.drafter)
 
 
 class FixedDepth:
-    """A speculation policy that always uses depth k (tests, benchmarks); the bandit is the adaptive one."""
+    """A speculation policy that always uses depth k of one drafter (tests, benchmarks); the bandit is the
+    adaptive one."""
 
-    def __init__(self, k: int):
-        if not 0 <= k <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"speculation depth k must lie in [0, {MAX_DRAFT_TOKENS}], got {k}")
+    def __init__(self, k: int, drafter: str = "eagle"):
+        self.arm = as_arm(Arm(drafter, k))
         self.k = k
 
-    def choose(self, num_running: int) -> int:
-        return self.k
+    def choose(self, num_running: int) -> Arm:
+        return self.arm
 
-    def update(self, num_running: int, k: int, num_tokens: int, seconds: float) -> None:
+    def update(self, num_running: int, arm, num_tokens: int, seconds: float) -> None:
         pass
-

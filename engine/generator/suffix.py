@@ -7,12 +7,16 @@ proposes the tokens that followed it there. No forward pass: a draft costs a few
 
 The draft is a point mass, so the lossless rule of speculative.accept_drafts applies unchanged with
 q = one-hot(draft): the draft d is kept with probability p(d), and at a rejection the next token is
-drawn from normalise(max(0, p - one_hot(d))) — i.e. from p without d. point_mass_logprobs builds that q.
+drawn from normalise(max(0, p - one_hot(d))) — i.e. from p without d. point_mass_logprobs builds that q; speculative.accept_point_drafts applies the rule without building it.
+SuffixDrafter is the backend's side: one index per prompt (so a group's concurrent samples and the
+same prompt's earlier completions draft for each other), each running sample's text added lazily, at the
+steps that draft from it, so plain and EAGLE steps pay no host sync for it.
 Test: pytest tests/engine/test_suffix.py
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -69,3 +73,55 @@ def pad_drafts(proposals: list[list[int]], k: int, fallback: Sequence[int]) -> t
     lossless; a poor one is merely rejected)."""
     rows = [(p + [int(fallback[i])] * k)[:k] for i, p in enumerate(proposals)]
     return torch.tensor(rows, dtype=torch.long)
+
+
+class _RowText:
+    """A running sample's place in its prompt's index: its sequence id and how many of its completion
+    tokens the index holds."""
+
+    __slots__ = ("index", "seq_id", "num_indexed")
+
+    def __init__(self, index: SuffixIndex, seq_id: int):
+        self.index, self.seq_id, self.num_indexed = index, seq_id, 0
+
+
+class SuffixDrafter:
+    """Per-prompt suffix indexes over the prompt and every sample of it, running or finished.
+
+    Memory is bounded: at most max_prompts indexes (least recently used dropped; running samples keep
+    theirs), and a prompt's index that holds max_seqs samples is replaced by a fresh one (prompt only)
+    for the samples that start after that. The defaults cover the groups a generator has in flight (a
+    prompt's samples are decoded close together) at about max_prompts * max_seqs * max_ngram dict
+    entries per token of a sample."""
+
+    def __init__(self, max_ngram: int = 4, max_prompts: int = 16, max_seqs: int = 32):
+        if max_prompts < 1 or max_seqs < 1:
+            raise ValueError(f"max_prompts and max_seqs must be >= 1, got {max_prompts}, {max_seqs}")
+        self.max_ngram, self.max_prompts, self.max_seqs = max_ngram, max_prompts, max_seqs
+        self._indexes: OrderedDict[tuple[int, ...], SuffixIndex] = OrderedDict()
+
+    def start(self, prompt_ids: Sequence[int]) -> _RowText:
+        """A new sample of this prompt: its sequence starts with the prompt's last tokens, so the n-grams
+        across the prompt's end point at what the samples wrote first."""
+        key = tuple(int(t) for t in prompt_ids)
+        index = self._indexes.get(key)
+        if index is None or len(index.seqs) > self.max_seqs:
+            index = SuffixIndex(self.max_ngram)
+            index.add(key)
+            self._indexes[key] = index
+            while len(self._indexes) > self.max_prompts:
+                self._indexes.popitem(last=False)
+        self._indexes.move_to_end(key)
+        return _RowText(index, index.add(key[-self.max_ngram:]))
+
+    @staticmethod
+    def add_tokens(text: _RowText, completion: Sequence[int]) -> None:
+        """Bring the index up to `completion` (the sample's whole completion so far)."""
+        if len(completion) > text.num_indexed:
+            text.index.extend(text.seq_id, completion[text.num_indexed:])
+            text.num_indexed = len(completion)
+
+    @staticmethod
+    def propose(text: _RowText, k: int) -> list[int]:
+        """Up to k tokens to draft after the sample's text so far (its pending token last)."""
+        return text.index.propose(text.index.seqs[text.seq_id][-text.index.max_ngram:], k)

@@ -1,10 +1,11 @@
 """Config loading: TOML + dotted overrides, validation errors that name the field, README reference."""
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from tailrace.engine.config import load_config, reference_markdown, to_toml
+from tailrace.engine.config import RunConfig, from_dict, load_config, reference_markdown, to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +57,23 @@ def test_readme_reference_is_current():
 def test_every_setting_is_documented():
     for line in reference_markdown().splitlines()[2:]:
         assert not line.endswith("|  |"), f"undocumented setting: {line}"
+
+
+def test_speculation_values_old_and_new():
+    # The setting was a boolean: true / false (TOML or command line) keep working, as on / off.
+    assert load_config().generator.speculation == "auto"
+    assert load_config().generator.spec_drafters == ("eagle", "suffix")
+    for given, resolved, drafters in (("true", "on", ("eagle", "suffix")), ("false", "off", ()),
+                                      ("suffix", "suffix", ("suffix",)), ("EAGLE", "eagle", ("eagle",))):
+        gen = load_config(None, ["--generator.speculation", given]).generator
+        assert (gen.speculation, gen.spec_drafters) == (resolved, drafters)
+    assert from_dict(RunConfig, {"generator": {"speculation": True}}).generator.speculation == "on"
+    assert from_dict(RunConfig, {"generator": {"speculation": False}}).generator.spec_drafters == ()
+    vllm = load_config(None, ["--generator.backend", "vllm"]).generator
+    assert vllm.speculation == "auto" and vllm.spec_drafters == ()  # auto: off where there is none
+    with pytest.raises(ValueError, match="generator.speculation"):
+        load_config(None, ["--generator.backend", "vllm", "--generator.speculation", "eagle"])
+    with pytest.raises(ValueError, match="generator.speculation"):
+        load_config(None, ["--generator.speculation", "medusa"])
+    resolved = load_config(None, ["--generator.speculation", "true"])
+    assert from_dict(RunConfig, tomllib.loads(to_toml(resolved))).generator.speculation == "on"

@@ -41,9 +41,9 @@ def make_model(arch: str = "qwen2", seed: int = 0, vocab: int = VOCAB, attn: str
     return AutoModelForCausalLM.from_config(_CONFIGS[arch](**kwargs), attn_implementation=attn).eval()
 
 
-def spec_backend(model, drafter, k: int, max_traces: int | None = None, **kwargs) -> TorchBackend:
+def spec_backend(model, drafter, k: int, max_traces: int | None = None, kind: str = "eagle", **kwargs) -> TorchBackend:
     backend = TorchBackend(model, **kwargs)
-    backend.enable_speculation(drafter, FixedDepth(k), max_traces=max_traces)
+    backend.enable_speculation(drafter, FixedDepth(k, kind), max_traces=max_traces)
     return backend
 
 
@@ -153,8 +153,11 @@ def chi_square_pvalue(counts: dict, probs: dict, num: int) -> float:
 
 
 def sample_sequences(model, drafter, k: int, prompt: list[int], sampling: SamplingParams, num: int,
-                     seed: int) -> tuple[dict, TorchBackend]:
-    backend = spec_backend(model, drafter, k, max_traces=0, max_batch_size=2000, max_model_len=16, seed=seed)
+                     seed: int, kind: str = "eagle") -> tuple[dict, TorchBackend]:
+    """num samples of one prompt, 2000 at a time: for the suffix drafter, a group of 2000 siblings whose
+    text (and that of the batches before) drafts for each other."""
+    backend = spec_backend(model, drafter, k, max_traces=0, kind=kind, max_batch_size=2000, max_model_len=16,
+                           seed=seed)
     counts: dict = {}
     for start in range(0, num, 2000):
         for i in range(start, min(num, start + 2000)):
@@ -174,27 +177,30 @@ LOSSLESS_CASES = [  # (sampling, k, samples in the default run); the slow varian
 ]
 
 
-def _check_lossless(sampling: SamplingParams, k: int, num: int) -> None:
+def _check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eagle") -> None:
     model = make_model("qwen2", seed=4, vocab=8)
     drafter = Drafter.for_policy(model, seed=5)  # untrained: many rejections, some acceptances
     prompt = [1, 5, 3]
     probs = exact_sequence_probs(model, prompt, sampling.max_new_tokens, sampling)
-    counts, backend = sample_sequences(model, drafter, k, prompt, sampling, num, seed=7)
+    counts, backend = sample_sequences(model, drafter, k, prompt, sampling, num, seed=7, kind=kind)
     stats = backend.spec_stats
     # Both branches of the rule ran many times: rejections, and enough acceptances to fill a sequence.
     assert stats.accept_len_hist[0] > num // 20 and sum(stats.accept_len_hist[2:]) > num // 20
+    assert stats.steps_by[kind] == stats.num_spec_steps > 0
     assert chi_square_pvalue(counts, probs, num) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["eagle", "suffix"])
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
-def test_sampled_sequences_follow_the_policy_exactly(sampling, k, num):
-    _check_lossless(sampling, k, num)
+def test_sampled_sequences_follow_the_policy_exactly(sampling, k, num, kind):
+    _check_lossless(sampling, k, num, kind)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "suffix"])
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
-def test_sampled_sequences_follow_the_policy_exactly_100k(sampling, k, num):
-    _check_lossless(sampling, k, 100_000)
+def test_sampled_sequences_follow_the_policy_exactly_100k(sampling, k, num, kind):
+    _check_lossless(sampling, k, 100_000, kind)
 
 
 def test_chi_square_detects_a_lossy_rule(monkeypatch):
@@ -211,11 +217,40 @@ def test_chi_square_detects_a_lossy_rule(monkeypatch):
     assert chi_square_pvalue(counts, probs, 4000) < 1e-9
 
 
+@pytest.mark.parametrize("lossy", ["accept_all", "residual_keeps_the_draft"])
+def test_chi_square_detects_a_lossy_point_mass_rule(monkeypatch, lossy):
+    # Suffix drafts: keeping every draft, or drawing a rejected position from p itself (the draft not
+    # removed), must fail the same test.
+    rule = speculative.accept_point_drafts
+
+    def accept_all(p, drafts, u_accept, u_final):
+        num, tokens, logprobs = rule(p, drafts, torch.zeros_like(u_accept), u_final)
+        return torch.full_like(num, drafts.shape[1]), tokens, logprobs
+
+    def residual_keeps_the_draft(p, drafts, u_accept, u_final):
+        q = torch.full_like(p[:, :-1], float("-inf"))  # q = 0: the residual is p itself
+        kept = u_accept < p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1).exp()
+        num, tokens, logprobs = accept_drafts(p, q, drafts, torch.zeros_like(u_accept), u_final)
+        num = kept.to(torch.int64).cumprod(-1).sum(-1)
+        final = speculative.sample_probs(p[torch.arange(len(num)), num].exp(), u_final[:, None])
+        tokens = torch.cat((drafts, final), 1).scatter_(1, num[:, None], final)
+        return num, tokens, p.gather(-1, tokens[..., None]).squeeze(-1)
+
+    monkeypatch.setattr(speculative, "accept_point_drafts", locals()[lossy])
+    model = make_model("qwen2", seed=4, vocab=8)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
+    probs = exact_sequence_probs(model, [1, 5, 3], 3, sampling)
+    counts, _ = sample_sequences(model, Drafter.for_policy(model, seed=5), 2, [1, 5, 3], sampling, 20_000, seed=7,
+                                 kind="suffix")
+    assert chi_square_pvalue(counts, probs, 20_000) < 1e-6
+
+
 # ------------------------------------------------------------------ greedy and the continuous batch
 
 
+@pytest.mark.parametrize("kind", ["eagle", "suffix"])
 @pytest.mark.parametrize("arch, attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager")])
-def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter):
+def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter, kind):
     model = make_model(arch, attn=attn)
     drafter = trained_drafter if arch == "qwen2" else Drafter.for_policy(model)
     ps = prompts(6, seed=2) + [list(range(1, 20))]
@@ -223,7 +258,7 @@ def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter):
     reqs = [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=n))
             for i, (p, n) in enumerate(zip(ps, budgets, strict=True))]
     for k in (1, 3, 8):
-        done = run(spec_backend(model, drafter, k, max_batch_size=3, max_model_len=40),
+        done = run(spec_backend(model, drafter, k, kind=kind, max_batch_size=3, max_model_len=40),
                    {0: reqs[:2], 2: reqs[2:5], 4: reqs[5:6], 7: reqs[6:]})
         for i, (p, n) in enumerate(zip(ps, budgets, strict=True)):
             assert done[i, 0].completion_ids.tolist() == greedy_reference(model, p, n), (k, i)
@@ -326,8 +361,8 @@ def test_depth_zero_and_enable_errors(model, trained_drafter):
 
 
 def test_every_arm_combination_runs(model, trained_drafter):
-    # Depth changing every step (as the bandit does) keeps the drafter cache consistent.
-    depths = itertools.cycle([0, 2, 0, 0, 5, 1, 8, 3])
+    # Arms changing every step (as the bandit does) keep the drafter cache consistent.
+    depths = itertools.cycle([0, 2, "suffix@3", 0, 0, 5, "suffix@8", 1, 8, "suffix@1", 3])
 
     class Cycling(FixedDepth):
         def choose(self, num_running):
@@ -343,9 +378,9 @@ def test_every_arm_combination_runs(model, trained_drafter):
 
 
 def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
-    # After speculative and plain steps, every drafter key/value left of the stale window equals the
-    # drafter run over the row's tokens with the policy's true hidden states (full recompute).
-    depths = itertools.cycle([3, 0, 2, 4])
+    # After speculative (eagle and suffix) and plain steps, every drafter key/value left of the stale
+    # window equals the drafter run over the row's tokens with the policy's true hidden states.
+    depths = itertools.cycle([3, 0, "suffix@2", 2, 4, "suffix@4"])
 
     class Cycling(FixedDepth):
         def choose(self, num_running):
@@ -355,10 +390,18 @@ def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
     backend.enable_speculation(trained_drafter, Cycling(0))
     for i, p in enumerate(prompts(2, seed=13)):
         backend.add(Request(i, i, p, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i)))
-    for _ in range(7):
+    for step in range(7):
         backend.step()
+        if step >= 5:  # after a suffix step (its columns join the stale window), then an eagle step
+            _check_drafter_cache(model, trained_drafter, backend)
+
+
+def _check_drafter_cache(model, trained_drafter, backend):
     kv, spec = backend._kv, backend._spec
     for row in range(backend.num_running):
+        seq = backend._seqs[row]
+        fed = seq.request.prompt_ids + backend._out_tokens_RL[row, :int(backend._num_gen_R[row])].tolist()
+        assert spec.ids_RC[row, kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo].tolist() == fed[:-1]
         cols = kv.valid_RC[row, kv.lo:kv.end - spec.stale_back].nonzero().flatten() + kv.lo
         tokens = spec.ids_RC[row, cols]
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """Model-free drafts from a group's own text: the suffix index proposes what followed the longest match,
 and the lossless acceptance rule with a point-mass draft emits exactly the policy's distribution
-(chi-square over two emitted tokens, drafts right, wrong and impossible under top-k).
+(chi-square over two emitted tokens, drafts right, wrong and impossible under top-k); accept_point_drafts
+is that rule, and in the backend a group's samples draft for each other.
 Run: pytest tests/engine/test_suffix.py
 """
 
@@ -8,10 +9,15 @@ import itertools
 
 import pytest
 import torch
-from test_speculative import chi_square_pvalue
+from test_backend import greedy_reference
+from test_speculative import chi_square_pvalue, make_model, spec_backend
 
+from tailrace.engine.drafter import Drafter
+from tailrace.engine.generator import speculative
+from tailrace.engine.generator.backend import Request
 from tailrace.engine.generator.speculative import accept_drafts
-from tailrace.engine.generator.suffix import SuffixIndex, pad_drafts, point_mass_logprobs
+from tailrace.engine.generator.suffix import SuffixDrafter, SuffixIndex, pad_drafts, point_mass_logprobs
+from tailrace.protocol.messages import SamplingParams
 
 
 def test_longest_seen_suffix_proposes_its_continuation():
@@ -81,3 +87,58 @@ def _plain_step(p2, first, gen):
     cdf = p2.exp().cumsum(-1)[first]
     u = torch.rand(first.shape[0], 1, generator=gen)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(p2.shape[1] - 1)
+
+
+def test_siblings_draft_for_each_other_in_the_backend():
+    # A greedy group decodes the same text four times, one sample after another (batch 1): from the
+    # second sample on, every suffix draft comes from the first sample's text and is accepted, and the
+    # output stays the greedy reference. A drafter that ignored siblings would be accepted by chance only.
+    model = make_model("qwen2", seed=2)
+    prompt = [3, 9, 4, 17, 5]
+    backend = spec_backend(model, Drafter.for_policy(model), 4, kind="suffix", max_batch_size=1, max_model_len=40)
+    for i in range(4):
+        backend.add(Request(0, i, prompt, SamplingParams(temperature=0.0, max_new_tokens=20)))
+    done, after_first, stats = [], None, backend.spec_stats
+    while backend.num_running or backend.num_waiting:
+        done += backend.step()
+        if after_first is None and done:
+            after_first = stats.accepted_by["suffix"], stats.drafted_by["suffix"]
+    reference = greedy_reference(model, prompt, 20)
+    assert [f.completion_ids.tolist() for f in done] == [reference] * 4
+    assert stats.steps_by["suffix"] == stats.num_spec_steps > 0
+    accepted, drafted = stats.accepted_by["suffix"] - after_first[0], stats.drafted_by["suffix"] - after_first[1]
+    assert accepted / drafted > 0.9, (accepted, drafted, after_first)
+
+
+def test_accept_point_drafts_is_the_rule_with_a_point_mass_q():
+    # The same uniforms give the same result as accept_drafts with q = one-hot(draft), also where a
+    # draft has probability 0 (top-k) or 1 (greedy).
+    gen = torch.Generator().manual_seed(3)
+    rows, k, vocab = 4000, 3, 6
+    logits = torch.randn(rows, k + 1, vocab, generator=gen) * 2
+    logits[:100] = logits[:100].masked_fill(logits[:100] < logits[:100].topk(2, -1).values[..., -1:], float("-inf"))
+    logits[100:200] = torch.where(logits[100:200] == logits[100:200].amax(-1, keepdim=True), 0.0, float("-inf"))
+    p = torch.log_softmax(logits, -1)
+    drafts = torch.randint(0, vocab, (rows, k), generator=gen)
+    drafts[100:150] = p[100:150, :k].argmax(-1)  # greedy rows whose drafts are right
+    u = torch.rand(rows, k + 1, generator=gen)
+    expected = accept_drafts(p, point_mass_logprobs(drafts, vocab), drafts, u[:, :k], u[:, k])
+    got = speculative.accept_point_drafts(p, drafts, u[:, :k], u[:, k])
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    assert int(got[0][100:150].min()) == k and int(got[0].max()) == k and int(got[0].min()) == 0
+
+
+def test_suffix_drafter_bounds_its_memory():
+    drafter = SuffixDrafter(max_ngram=2, max_prompts=2, max_seqs=2)
+    a1, a2 = drafter.start([1, 2, 3]), drafter.start([1, 2, 3])
+    assert a1.index is a2.index  # one index per prompt
+    drafter.add_tokens(a1, [4, 5])
+    drafter.add_tokens(a1, [4, 5, 6])  # only the new token is added
+    assert a1.index.seqs[a1.seq_id] == [2, 3, 4, 5, 6] and drafter.propose(a2, 3) == [4, 5, 6]
+    a3 = drafter.start([1, 2, 3])  # 3 sequences (prompt + 2 samples) reached max_seqs: a fresh index
+    assert a3.index is not a1.index and drafter.propose(a3, 2) == []
+    drafter.start([7]), drafter.start([8])
+    assert drafter.start([1, 2, 3]).index is not a3.index  # least recently used prompt dropped
+    with pytest.raises(ValueError, match="max_prompts"):
+        SuffixDrafter(max_prompts=0)

@@ -356,7 +356,7 @@ def backend_factory(costs: Costs) -> Callable[[Any], ModelledBackend]:
     config builds (whose model never runs)."""
 
     def make(cfg: Any) -> ModelledBackend:
-        if cfg.generator.speculation:
+        if cfg.generator.speculation not in ("auto", "off"):  # auto: off on this backend
             raise ValueError("generator.speculation: modelled compute does not model speculative decoding")
         return ModelledBackend(torch_backend(cfg), costs)
 

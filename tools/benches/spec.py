@@ -7,22 +7,27 @@ Phases, one process, one torch thread (a generator's setting):
     rollouts   plain decoding of task prompts at temperature 1 with a fresh drafter attached at depth 0:
                the policy's own rollouts, captured as traces (hidden states + tokens)
     train      the spot trainer trains the drafter on them for a fixed time budget
-    decode     running batch 1, 2 and 4 of long prompts (a row that finishes is replaced at once, so the
-               batch stays full): plain decoding (no drafter at all) and speculative decoding with the
-               bandit choosing k take turns step by step over the same requests, so that both see the
-               same machine; each is timed over its own steps
-    tv         token distributions of many samples with and without speculation, and of two plain runs
-               (the sampling noise floor of that distance)
+    decode     running batch 1, 2, 4, 8 and 16 of GRPO groups: every prompt sampled GROUP_SIZE times, its
+               samples queued together (so a batch holds a group's concurrent samples, and at batch 1
+               each sample follows its siblings: the repetition the suffix drafter draws from; the text is
+               the policy's own samples, nothing constructed). A row that finishes is replaced at once.
+               Four backends take turns step by step over the same requests, so all see the same
+               machine, each timed over its own steps: plain (no drafter), the bandit over every arm
+               (off, eagle@k, suffix@k: `speedup`), over off and eagle@k (`speedup_eagle`) and over off and
+               suffix@k (`speedup_model_free`); each bandit first learns on warm-up groups
+    tv         token distributions of many grouped samples with speculation forced on (eagle and suffix
+               arms, no off) and without, and of two plain runs (the sampling noise floor of that distance)
 
 Figures: tokens_per_s_plain / tokens_per_s_spec / speedup at batch 1 and speedup_by_batch (decode
 throughput: tokens per second of decode steps, wall clock; admission and prefill excluded, as they are
-the same work in both), the same end to end with prefill and in CPU time, mean_accept_len (accepted
-drafts per row and speculative step), tv_distance and tv_noise_floor; target speedup >= 1.8. CPU-time
-ratios are less disturbed by other processes on a shared machine. At batch 1, what the speedup is made
-of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all before it were; over
-accept_tested_by_depth row-steps: the deepest are tried only when the bandit explores deep arms),
-plain_step_ms, spec_draft_ms and spec_verify_ms (per speculative step) and emitted_per_spec_step.
-TAILRACE_BENCH_MODEL=PATH benchmarks another checkpoint.
+the same work in both), speedup_eagle(_by_batch) and speedup_model_free(_by_batch), the same end to end
+with prefill and in CPU time, bandit_arm_by_batch (the arm each bucket settled on), accept_rate_eagle and
+accept_rate_suffix (accepted over drafted tokens of each drafter, its own bandit, all batch sizes),
+mean_accept_len (accepted drafts per row and speculative step), tv_distance and tv_noise_floor; target
+speedup >= 1.8. CPU-time ratios are less disturbed by other processes on a shared machine. At batch 1,
+what the speedup is made of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all
+before it were; over accept_tested_by_depth row-steps), plain_step_ms, spec_draft_ms and spec_verify_ms
+(per speculative step) and emitted_per_spec_step. TAILRACE_BENCH_MODEL=PATH benchmarks another checkpoint.
 """
 
 from __future__ import annotations
@@ -32,16 +37,26 @@ import time
 from collections.abc import Callable
 
 SPEEDUP_TARGET = 1.8
-BATCH_SIZES = (1, 2, 4)
+BATCH_SIZES = (1, 2, 4, 8, 16)
+GROUP_SIZE = 8  # sampling.group_size's default: samples per prompt, queued together
+# The bandits raced against plain decoding: drafters each may use (off is always an arm).
+BANDITS = {"spec": ("eagle", "suffix"), "eagle": ("eagle",), "model_free": ("suffix",)}
 
 
 def _sizes(quick: bool) -> dict:
     if quick:
-        return dict(num_train_prompts=1024, train_s=26.0, num_warmup_prompts=8, num_decode_prompts=32,
-                    num_tv_prompts=256)
+        return dict(num_train_prompts=1024, train_s=26.0, num_warmup_prompts=2, num_decode_prompts=4,
+                    num_tv_prompts=32)
     # ~110k tokens of rollouts: fewer make the drafter overfit them (its acceptance on other prompts drops)
-    return dict(num_train_prompts=5000, train_s=150.0, num_warmup_prompts=24, num_decode_prompts=128,
-                num_tv_prompts=1024)
+    return dict(num_train_prompts=5000, train_s=150.0, num_warmup_prompts=4, num_decode_prompts=16,
+                num_tv_prompts=128)
+
+
+def _groups(prompts, sampling) -> list:
+    """GROUP_SIZE requests per prompt, a group's samples one after another (group id = prompt index)."""
+    from tailrace.engine.generator.backend import Request
+
+    return [Request(g, i, p, sampling) for g, p in enumerate(prompts) for i in range(GROUP_SIZE)]
 
 
 def _prompts(tokenizer, num: int, seed: int, min_chars: int = 0) -> list[list[int]]:
@@ -120,69 +135,88 @@ def train_drafter(drafter, traces, train_s: float, log) -> dict:
             "drafter_accept_rate": round(last["accept_tf"], 4)}
 
 
+def _snapshot(backend) -> dict:
+    stats = backend.spec_stats
+    return {"decode_s": backend.stats.decode_s, "accepted": stats.num_accepted, "row_steps": sum(stats.accept_len_hist),
+            "plain_steps": stats.num_plain_steps, "spec_steps": stats.num_spec_steps,
+            "tested": list(stats.tested_by_depth), "accepted_by_depth": list(stats.accepted_by_depth),
+            "emitted": stats.num_emitted, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+            "drafted_by": dict(stats.drafted_by), "accepted_by": dict(stats.accepted_by)}
+
+
+def _since(backend, before: dict) -> dict:
+    now = _snapshot(backend)
+    out = {key: now[key] - before[key] for key in ("decode_s", "accepted", "row_steps", "plain_steps",
+                                                   "spec_steps", "emitted", "draft_s", "verify_s")}
+    for key in ("tested", "accepted_by_depth"):
+        out[key] = [a - b for a, b in zip(now[key], before[key], strict=True)]
+    for key in ("drafted_by", "accepted_by"):
+        out[key] = {name: now[key][name] - before[key][name] for name in now[key]}
+    return out
+
+
 def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -> dict:
-    from tailrace.engine.generator.backend import Request, TorchBackend
-    from tailrace.engine.generator.bandit import SpecBandit
+    from tailrace.engine.generator.backend import TorchBackend
+    from tailrace.engine.generator.bandit import SpecBandit, arms_for
     from tailrace.protocol.messages import SamplingParams
 
-    plain = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=1)
-    spec = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=2)
-    bandit = SpecBandit(seed=0)
-    spec.enable_speculation(drafter, bandit, max_traces=0)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=96)
-    # The bandit first learns this batch size's depth (a generator's bandit runs all along).
-    _decode_all(spec, [Request(i, 0, p, sampling) for i, p in enumerate(warmup_prompts)], batch)
-    stats = spec.spec_stats
-    decode_s_before, accepted_before, row_steps_before = (
-        spec.stats.decode_s, stats.num_accepted, sum(stats.accept_len_hist))
-    steps_before = (stats.num_plain_steps, stats.num_spec_steps)
-    tested_before, accepted_by_depth_before = list(stats.tested_by_depth), list(stats.accepted_by_depth)
-    emitted_before = stats.num_emitted
-    draft_s_before, verify_s_before = stats.draft_s, stats.verify_s
-    totals = _race({"plain": plain, "spec": spec}, [Request(i, 0, p, sampling) for i, p in enumerate(prompts)], batch)
-    (plain_tokens, plain_s, plain_cpu_s), (spec_tokens, spec_s, spec_cpu_s) = totals["plain"], totals["spec"]
-    # Decode throughput: time in decode steps (BackendStats.decode_s; admission and prefill, identical
-    # work in both, excluded), and end to end with them for comparison.
-    rate_plain, rate_spec = plain_tokens / plain.stats.decode_s, spec_tokens / (spec.stats.decode_s - decode_s_before)
-    with_prefill = (spec_tokens / spec_s) / (plain_tokens / plain_s)
-    cpu_ratio = (spec_tokens / spec_cpu_s) / (plain_tokens / plain_cpu_s)
-    accepted, row_steps = stats.num_accepted - accepted_before, sum(stats.accept_len_hist) - row_steps_before
-    num_plain, num_spec = stats.num_plain_steps - steps_before[0], stats.num_spec_steps - steps_before[1]
+    plain = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=1)
+    specs, bandits, before = {}, {}, {}
+    for i, (name, drafters) in enumerate(BANDITS.items()):
+        specs[name] = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos, seed=2 + i)
+        bandits[name] = SpecBandit(arms_for(drafters), seed=0)
+        specs[name].enable_speculation(drafter, bandits[name], max_traces=0)
+        # The bandit first learns this batch size's arm (a generator's bandit runs all along).
+        _decode_all(specs[name], _groups(warmup_prompts, sampling), batch)
+        before[name] = _snapshot(specs[name])
+    totals = _race({"plain": plain, **specs}, _groups(prompts, sampling), batch)
+    plain_tokens, plain_s, plain_cpu_s = totals["plain"]
+    rate_plain = plain_tokens / plain.stats.decode_s
+    out = {"plain": rate_plain, "plain_step_ms": 1e3 * plain.stats.decode_s / max(plain.stats.num_steps, 1)}
+    for name, backend in specs.items():
+        tokens, wall_s, cpu_s = totals[name]
+        d = _since(backend, before[name])
+        # Decode throughput: time in decode steps (BackendStats.decode_s; admission and prefill, identical
+        # work in both, excluded), and end to end with them for comparison.
+        out[name] = {"rate": tokens / d["decode_s"], "speedup": tokens / d["decode_s"] / rate_plain,
+                     "with_prefill": (tokens / wall_s) / (plain_tokens / plain_s),
+                     "speedup_cpu": (tokens / cpu_s) / (plain_tokens / plain_cpu_s),
+                     "arm": str(bandits[name].best(batch)), **d}
+    spec = out["spec"]
     # Where a speculative step's time goes, against a plain step (the speedup is tokens per speculative
     # step times plain step time over speculative step time).
-    num_spec_steps = max(num_spec, 1)
-    costs = {"plain_step_ms": 1e3 * plain.stats.decode_s / max(plain.stats.num_steps, 1),
-             "spec_draft_ms": 1e3 * (stats.draft_s - draft_s_before) / num_spec_steps,
-             "spec_verify_ms": 1e3 * (stats.verify_s - verify_s_before) / num_spec_steps,
-             "emitted_per_spec_step": (stats.num_emitted - emitted_before) / num_spec_steps / batch}
-    tested = [now - before for now, before in zip(stats.tested_by_depth, tested_before, strict=True)]
-    by_depth = [round((now - before) / t, 3) for now, before, t in
-                zip(stats.accepted_by_depth, accepted_by_depth_before, tested, strict=True) if t]
-    log(f"batch {batch}: decode plain {rate_plain:.0f} tok/s, spec {rate_spec:.0f} tok/s, speedup "
-        f"{rate_spec / rate_plain:.2f} (with prefill {with_prefill:.2f}, CPU time {cpu_ratio:.2f}); bandit's k "
-        f"{bandit.best(batch)}, {accepted / max(row_steps, 1):.2f} accepted per row-step, {num_plain} of "
-        f"{num_plain + num_spec} steps plain; plain step {costs['plain_step_ms']:.2f} ms, speculative step: "
-        f"drafting {costs['spec_draft_ms']:.2f} ms + verifying {costs['spec_verify_ms']:.2f} ms + bookkeeping, "
-        f"{costs['emitted_per_spec_step']:.2f} tokens per row")
-    return {"plain": rate_plain, "spec": rate_spec, "speedup": rate_spec / rate_plain, "with_prefill": with_prefill,
-            "speedup_cpu": cpu_ratio, "best_k": bandit.best(batch), "accepted": accepted, "row_steps": row_steps,
-            "accept_rate_by_depth": by_depth, "accept_tested_by_depth": [t for t in tested if t], **costs}
+    num_spec_steps = max(spec["spec_steps"], 1)
+    out.update(spec_draft_ms=1e3 * spec["draft_s"] / num_spec_steps, spec_verify_ms=1e3 * spec["verify_s"] / num_spec_steps,
+               emitted_per_spec_step=spec["emitted"] / num_spec_steps / batch,
+               accept_rate_by_depth=[round(a / t, 3) for a, t in zip(spec["accepted_by_depth"], spec["tested"],
+                                                                     strict=True) if t],
+               accept_tested_by_depth=[t for t in spec["tested"] if t])
+    log(f"batch {batch}: decode plain {rate_plain:.0f} tok/s; " + "; ".join(
+        f"{name} {out[name]['rate']:.0f} tok/s x{out[name]['speedup']:.2f} (arm {out[name]['arm']}, "
+        f"{out[name]['plain_steps']} of {out[name]['plain_steps'] + out[name]['spec_steps']} steps plain)"
+        for name in specs) + f"; plain step {out['plain_step_ms']:.2f} ms, speculative step: drafting "
+        f"{out['spec_draft_ms']:.2f} ms + verifying {out['spec_verify_ms']:.2f} ms + bookkeeping, "
+        f"{out['emitted_per_spec_step']:.2f} tokens per row")
+    return out
 
 
 def _token_histogram(model, eos, prompts, drafter, seed: int):
     import torch
 
-    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.backend import TorchBackend
     from tailrace.engine.generator.bandit import SpecBandit
     from tailrace.protocol.messages import SamplingParams
 
     backend = TorchBackend(model, max_batch_size=64, max_model_len=256, eos_token_ids=eos, seed=seed)
-    if drafter is not None:
-        backend.enable_speculation(drafter, SpecBandit(arms=(2, 4, 6), seed=seed), max_traces=0)
-    requests = [Request(i, 0, p, SamplingParams(temperature=1.0, max_new_tokens=64)) for i, p in enumerate(prompts)]
+    if drafter is not None:  # speculation forced on: both drafters, never off
+        arms = ("eagle@2", "eagle@4", "eagle@6", "suffix@2", "suffix@4", "suffix@6")
+        backend.enable_speculation(drafter, SpecBandit(arms=arms, seed=seed), max_traces=0)
+    requests = _groups(prompts, SamplingParams(temperature=1.0, max_new_tokens=64))
     finished, _ = _decode_all(backend, requests, 64)
     tokens = torch.cat([f.completion_ids for f in finished])
-    return torch.bincount(tokens, minlength=model.config.vocab_size).double()
+    steps = backend.spec_stats.steps_by if drafter is not None else {}
+    return torch.bincount(tokens, minlength=model.config.vocab_size).double(), steps
 
 
 def _tv(a, b) -> float:
@@ -210,22 +244,39 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     warmup_prompts = _prompts(tokenizer, sizes["num_warmup_prompts"], seed=4, min_chars=20)
     by_batch = {b: _throughput(model, drafter, eos, decode_prompts, warmup_prompts, b, log) for b in BATCH_SIZES}
     tv_prompts = _prompts(tokenizer, sizes["num_tv_prompts"], seed=3)
-    plain_a = _token_histogram(model, eos, tv_prompts, None, seed=1)
-    plain_b = _token_histogram(model, eos, tv_prompts, None, seed=2)
-    spec = _token_histogram(model, eos, tv_prompts, drafter, seed=3)
+    plain_a, _ = _token_histogram(model, eos, tv_prompts, None, seed=1)
+    plain_b, _ = _token_histogram(model, eos, tv_prompts, None, seed=2)
+    spec, tv_steps = _token_histogram(model, eos, tv_prompts, drafter, seed=3)
     tv, floor = _tv(spec, plain_a), _tv(plain_b, plain_a)
-    log(f"tv: spec vs plain {tv:.4f}, plain vs plain {floor:.4f} ({int(spec.sum())} / {int(plain_a.sum())} tokens)")
+    log(f"tv: spec vs plain {tv:.4f}, plain vs plain {floor:.4f} ({int(spec.sum())} / {int(plain_a.sum())} tokens; "
+        f"speculative steps by drafter {tv_steps})")
     one = by_batch[1]
-    accepted = sum(r["accepted"] for r in by_batch.values())
-    row_steps = sum(r["row_steps"] for r in by_batch.values())
+    spec_runs = [r["spec"] for r in by_batch.values()]
+    accepted, row_steps = sum(r["accepted"] for r in spec_runs), sum(r["row_steps"] for r in spec_runs)
+
+    def rate(name: str, drafter: str) -> float:
+        drafted = sum(r[name]["drafted_by"][drafter] for r in by_batch.values())
+        return round(sum(r[name]["accepted_by"][drafter] for r in by_batch.values()) / max(drafted, 1), 4)
+
+    def by(name: str, key: str) -> dict:
+        return {str(b): round(r[name][key], 3) for b, r in by_batch.items()}
+
     return {
         "tokens_per_s_plain": round(one["plain"], 1),
-        "tokens_per_s_spec": round(one["spec"], 1),
-        "speedup": round(one["speedup"], 3),
-        "speedup_by_batch": {str(b): round(r["speedup"], 3) for b, r in by_batch.items()},
-        "speedup_with_prefill_by_batch": {str(b): round(r["with_prefill"], 3) for b, r in by_batch.items()},
-        "speedup_cpu_time_with_prefill_by_batch": {str(b): round(r["speedup_cpu"], 3) for b, r in by_batch.items()},
-        "bandit_k_by_batch": {str(b): r["best_k"] for b, r in by_batch.items()},
+        "tokens_per_s_spec": round(one["spec"]["rate"], 1),
+        "speedup": round(one["spec"]["speedup"], 3),
+        "speedup_eagle": round(one["eagle"]["speedup"], 3),
+        "speedup_model_free": round(one["model_free"]["speedup"], 3),
+        "speedup_by_batch": by("spec", "speedup"),
+        "speedup_eagle_by_batch": by("eagle", "speedup"),
+        "speedup_model_free_by_batch": by("model_free", "speedup"),
+        "speedup_with_prefill_by_batch": by("spec", "with_prefill"),
+        "speedup_cpu_time_with_prefill_by_batch": by("spec", "speedup_cpu"),
+        "bandit_arm_by_batch": {str(b): r["spec"]["arm"] for b, r in by_batch.items()},
+        "bandit_arm_eagle_by_batch": {str(b): r["eagle"]["arm"] for b, r in by_batch.items()},
+        "bandit_arm_model_free_by_batch": {str(b): r["model_free"]["arm"] for b, r in by_batch.items()},
+        "accept_rate_eagle": rate("eagle", "eagle"),
+        "accept_rate_suffix": rate("model_free", "suffix"),
         "mean_accept_len": round(accepted / max(row_steps, 1), 3),
         "accept_rate_by_depth": one["accept_rate_by_depth"],
         "accept_tested_by_depth": one["accept_tested_by_depth"],
@@ -233,8 +284,10 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
         "spec_draft_ms": round(one["spec_draft_ms"], 3),
         "spec_verify_ms": round(one["spec_verify_ms"], 3),
         "emitted_per_spec_step": round(one["emitted_per_spec_step"], 3),
+        "group_size": GROUP_SIZE,
         "tv_distance": round(tv, 4),
         "tv_noise_floor": round(floor, 4),
+        "tv_spec_steps_by_drafter": tv_steps,
         "speedup_target": SPEEDUP_TARGET,
         **figures,
     }
