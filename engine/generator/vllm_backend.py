@@ -25,24 +25,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from tailrace.engine.generator.requests import (
-    BackendStats,
-    Finished,
-    Request,
-    Weights,
-    check_request,
-    drain_by_stepping,
-    weight_items,
-)
+from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
+from tailrace.engine.generator.requests import Finished, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
 from tailrace.protocol.messages import SamplingParams
 
@@ -107,47 +98,6 @@ def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[i
                         output_kind=RequestOutputKind.DELTA)
 
 
-@dataclass
-class LiveSample:
-    request: Request
-    added_s: float
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    first_token_s: float = 0.0
-
-
-class EngineQueue:
-    """What the engine backends (vLLM, SGLang) share: samples waiting for room in the engine, the running
-    ones by engine request id, and the queries, add() and drain() over them. The subclass sets
-    max_batch_size, max_model_len, vocab_size, pause_admission, _waiting and _running, and steps."""
-
-    max_batch_size: int
-    max_model_len: int
-    vocab_size: int
-    _waiting: deque[LiveSample]
-    _running: dict[str, LiveSample]
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    def capacity(self) -> int:
-        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
-
-    def add(self, request: Request) -> None:
-        """Queue one sample; ValueError as TorchBackend.add (empty, too long, outside the vocabulary)."""
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        self._waiting.append(LiveSample(request, time.monotonic()))
-
-    def drain(self) -> list[Finished]:
-        return drain_by_stepping(self)
-
-
 class VLLMBackend(EngineQueue):
     """Continuous batching by vLLM. Not thread-safe (one owner, like TorchBackend)."""
 
@@ -155,20 +105,10 @@ class VLLMBackend(EngineQueue):
 
     def __init__(self, llm: Any, *, max_batch_size: int, max_model_len: int, vocab_size: int,
                  eos_token_ids: Iterable[int] = (), in_flight_kv: str = "keep"):
-        if in_flight_kv not in ("keep", "recompute"):
-            raise ValueError(f"in_flight_kv must be keep or recompute, got {in_flight_kv!r}")
+        super().__init__(max_batch_size=max_batch_size, max_model_len=max_model_len, vocab_size=vocab_size,
+                         eos_token_ids=eos_token_ids, in_flight_kv=in_flight_kv)
         self.llm = llm
         self._engine = llm.llm_engine
-        self.max_batch_size = max_batch_size
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
-        self.in_flight_kv = in_flight_kv
-        self.policy_version = 0
-        self.pause_admission = False
-        self.stats = BackendStats()
-        self._waiting: deque[LiveSample] = deque()
-        self._running: dict[str, LiveSample] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -198,8 +138,7 @@ class VLLMBackend(EngineQueue):
 
     def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
         groups = set(group_ids)
-        out = [self._finished(live, "cancelled") for live in self._waiting if live.request.group_id in groups]
-        self._waiting = deque(live for live in self._waiting if live.request.group_id not in groups)
+        out = self._cancel_waiting(groups)
         ids = [rid for rid, live in self._running.items() if live.request.group_id in groups]
         if ids:
             self._engine.abort_request(ids)
@@ -233,19 +172,12 @@ class VLLMBackend(EngineQueue):
 
     # ------------------------------------------------------------------ internals
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch_size:
-            live = self._waiting.popleft()
-            self.stats.num_prefill_tokens += len(live.request.prompt_ids)
-            self._submit(live)
-
     def _submit(self, live: LiveSample) -> None:
         """Hand a sample to vLLM; a sample that has tokens already continues from them (recompute)."""
         req = live.request
         done = len(live.tokens)
-        limit = min(req.sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids))
         stops = set(req.sampling.stop_token_ids) | set(self.eos_token_ids)
-        params = vllm_sampling(req.sampling, req.sample_id, stops, limit - done, offset=done)
+        params = vllm_sampling(req.sampling, req.sample_id, stops, self._limit(live), offset=done)
         rid = f"g{req.group_id}-s{req.sample_id}-t{done}"
         # The salt keeps prefix-cache hits within one policy version: blocks cached under old weights
         # (held by running samples, so reset_prefix_cache cannot drop them) never serve a new sample.
@@ -274,15 +206,6 @@ class VLLMBackend(EngineQueue):
         live.logprobs += logprobs
         live.versions += [self.policy_version] * len(tokens)
         return len(tokens)
-
-    def _finished(self, live: LiveSample, reason: str) -> Finished:
-        now = time.monotonic()
-        first = live.first_token_s or now
-        req = live.request
-        return Finished(req.group_id, req.sample_id, req.prompt_ids, torch.tensor(live.tokens, dtype=torch.long),
-                        torch.tensor(live.logprobs, dtype=torch.float32),
-                        torch.tensor(live.versions, dtype=torch.long), reason,
-                        queue_s=first - live.added_s, decode_s=now - first)
 
 
 def vllm_backend(cfg: Any) -> VLLMBackend:
