@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 
 def _sizes(quick: bool) -> dict:
-    return dict(num_prompts=16 if quick else 64, max_new_tokens=48 if quick else 96, batch=8, rounds=1 if quick else 3)
+    return dict(num_prompts=16 if quick else 64, max_new_tokens=48 if quick else 96, batch=8, rounds=2 if quick else 3)
 
 
 def _requests(num_prompts: int, max_new_tokens: int):
