@@ -43,12 +43,15 @@ _REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 
 def engine_environment(num_threads: int, cache_dir: str | Path) -> None:
-    """Before vLLM is imported: in-process engine core, the process's thread budget, and vLLM's cache
-    and temp files under cache_dir (not the user's home)."""
+    """Before vLLM is imported: in-process engine core, the process's thread budget (OpenMP and
+    numba), and vLLM's cache and temp files under cache_dir (not the user's home)."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    # vLLM's ngram proposer runs numba with parallel=True; numba's own pool (one thread per core by
+    # default) beside the OpenMP threads made every step about 18x slower here (tools/bench.py vllm_spec).
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(num_threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
     os.environ.setdefault("VLLM_CONFIG_ROOT", str(cache / "config"))
