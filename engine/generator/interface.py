@@ -8,8 +8,9 @@ that builds the one `generator.backend` names.
 
 Backends: torch (backend.TorchBackend, built in), vllm (vllm_backend.VLLMBackend), sglang
 (sglang_backend.SGLangBackend), and the benchmark's modelled one (tools/benches/modelled.py). Each owns
-its model loading: load_backend(cfg) is all the service calls. Speculative decoding and tree sampling
-are torch-only (SpeculationHooks); config validation refuses them elsewhere.
+its model loading: load_backend(cfg) is all the service calls. The drafter's speculative decoding and
+tree sampling are torch-only (SpeculationHooks); the vLLM backend speculates with vLLM's own
+speculative_config instead (vllm_backend.py); config validation refuses speculation elsewhere.
 Test: pytest tests/engine/test_backend_conformance.py (the vLLM half needs vllm installed)
 """
 

