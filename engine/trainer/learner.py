@@ -300,6 +300,11 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _scaled_loss_stats(stats: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Statistics summed under normaliser 1, brought to the step's: the loss terms carry the weight."""
+    return {k: v * scale if k in ("loss_pg", "loss_kl", "loss") else v for k, v in stats.items()}
+
+
 def _batch_metrics(samples: Sequence[TrainSample], normaliser: LossNormaliser, staleness: Sequence[int],
                    stats: dict[str, torch.Tensor]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -355,32 +360,60 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step_count = 0
         self.policy_version = initial_policy_version
+        self._accumulated: set[int] = set()  # id() of the groups accumulate() ran for the coming step
+        self._accumulated_stats: dict[str, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def accumulate(self, groups: Sequence[Group]) -> bool:
+        """Run the forward/backward of some groups of the coming step now, while the rest of its groups are
+        still being generated; step() then runs only the others and the optimizer step. The gradient is the
+        same: the step-wide normaliser is a scalar factor, so the increments are summed unnormalised
+        (normaliser 1) and scaled once all are in. Returns False (nothing done) on several ranks, where every
+        rank must run the same calls: there the whole step runs in step()."""
+        if dist.world_size() > 1 or dist.fsdp_modules(self.model) or not groups:
+            return False
+        assign_advantages(groups, self.config.loss)
+        if not self._accumulated:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        samples = flatten_samples(groups)
+        stats = self._forward_backward(samples, LossNormaliser(num_tokens=1, num_samples=1))
+        add_stats(self._accumulated_stats, stats)
+        self._accumulated.update(id(g) for g in groups)
+        return True
+
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         """One optimizer step on a batch. Groups get GRPO advantages from their rewards; bare samples are
-        trained with the advantage they carry. Returns metrics named trainer/<group>/<name>."""
+        trained with the advantage they carry. Groups already run by accumulate() (the same objects) are
+        not run again. Returns metrics named trainer/<group>/<name>."""
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
             raise ValueError("batch: no samples")
-        assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
+        done = [u for u in batch if id(u) in self._accumulated]
+        if len(done) != len(self._accumulated):
+            raise ValueError("batch: it lacks groups that accumulate() already ran for this step")
+        rest = [u for u in batch if id(u) not in self._accumulated]
+        assign_advantages([g for g in rest if isinstance(g, Group)], self.config.loss)
         # Every rank holds the whole batch, so this normaliser is the step-wide logical count on each.
         normaliser = LossNormaliser.from_samples(samples)
-        mine = flatten_samples(dist.shard(batch, self._unit_cost, dist.rank(), dist.world_size()))
+        mine = flatten_samples(dist.shard(rest, self._unit_cost, dist.rank(), dist.world_size()))
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
-        ref_logprobs = self._ref_logprobs(mine)
-        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-            if mine:
-                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
-                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
-            dist.reduce_gradients(self.model, self._zero_weight_loss)
+        if done:  # the increments were summed with normaliser 1: bring them to this step's normaliser
+            scale = float(normaliser.token_weights(torch.ones(1), self.config.loss.aggregation)[0])
+            self._accumulated_stats = _scaled_loss_stats(self._accumulated_stats, scale)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        stats = self._forward_backward(mine, normaliser)
+        add_stats(stats, self._accumulated_stats)
+        self._accumulated, self._accumulated_stats = set(), {}
         stats = dist.all_reduce_stats_(stats)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         update = self.apply_gradients()
@@ -391,8 +424,20 @@ class Learner:
         metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
                         if k not in STAT_KEYS and k != "padded_tokens"})
         metrics.update(update)
+        metrics["trainer/accumulated_groups"] = float(len(done))
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics
+
+    def _forward_backward(self, mine: list[TrainSample], normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
+        """This rank's samples' forward/backward (gradients add up in .grad) and summed statistics."""
+        stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
+        ref_logprobs = self._ref_logprobs(mine)
+        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
+            if mine:
+                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
+                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
+            dist.reduce_gradients(self.model, self._zero_weight_loss)
+        return stats
 
     def _unit_cost(self, unit: Group | TrainSample) -> float:
         """What a group (or bare sample) costs a rank: its unique tokens under the shared-prefix modes."""
