@@ -360,12 +360,17 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step_count = 0
         self.policy_version = initial_policy_version
-        self._accumulated: set[int] = set()  # id() of the groups accumulate() ran for the coming step
+        self._accumulated: set[int] = set()  # group ids accumulate() ran for the coming step
         self._accumulated_stats: dict[str, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def accumulated_group_ids(self) -> frozenset[int]:
+        """Groups whose forward/backward accumulate() ran for the coming step."""
+        return frozenset(self._accumulated)
 
     def accumulate(self, groups: Sequence[Group]) -> bool:
         """Run the forward/backward of some groups of the coming step now, while the rest of its groups are
@@ -382,22 +387,22 @@ class Learner:
         samples = flatten_samples(groups)
         stats = self._forward_backward(samples, LossNormaliser(num_tokens=1, num_samples=1))
         add_stats(self._accumulated_stats, stats)
-        self._accumulated.update(id(g) for g in groups)
+        self._accumulated.update(g.group_id for g in groups)
         return True
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         """One optimizer step on a batch. Groups get GRPO advantages from their rewards; bare samples are
-        trained with the advantage they carry. Groups already run by accumulate() (the same objects) are
-        not run again. Returns metrics named trainer/<group>/<name>."""
+        trained with the advantage they carry. Groups already run by accumulate() (by group id) are not
+        run again. Returns metrics named trainer/<group>/<name>."""
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
             raise ValueError("batch: no samples")
-        done = [u for u in batch if id(u) in self._accumulated]
+        done = [u for u in batch if isinstance(u, Group) and u.group_id in self._accumulated]
         if len(done) != len(self._accumulated):
             raise ValueError("batch: it lacks groups that accumulate() already ran for this step")
-        rest = [u for u in batch if id(u) not in self._accumulated]
-        assign_advantages([g for g in rest if isinstance(g, Group)], self.config.loss)
+        rest = [u for u in batch if not (isinstance(u, Group) and u.group_id in self._accumulated)]
+        assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
         # Every rank holds the whole batch, so this normaliser is the step-wide logical count on each.
         normaliser = LossNormaliser.from_samples(samples)
         mine = flatten_samples(dist.shard(rest, self._unit_cost, dist.rank(), dist.world_size()))

@@ -42,7 +42,7 @@ def test_accumulated_groups_give_the_same_step(aggregation, group_size, replay, 
     for key in ("trainer/grad/norm", "trainer/loss/pg", "trainer/loss/total", "trainer/tokens/loss"):
         assert got[key] == pytest.approx(expected[key], rel=rel, abs=1e-12), key
     for (name, a), b in zip(whole.model.named_parameters(), early.model.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=rel, atol=1e-12 if rel < 1e-6 else 1e-7, msg=name)  # Adam: tiny grads
+        torch.testing.assert_close(b, a, rtol=rel, atol=1e-12 if rel < 1e-6 else 1e-5, msg=name)  # Adam amplifies grads near eps
     # the next step starts clean: nothing accumulated carries over
     again_whole = whole.step(make_groups(6, num_groups=2, group_size=3))
     again_early = early.step(make_groups(6, num_groups=2, group_size=3))

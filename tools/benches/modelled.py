@@ -7,8 +7,9 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
     ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
-                     the tokens the naive trainer runs (padded micro-batches); advances step_count and
-                     policy_version, and leaves the weights alone
+                     the tokens the naive trainer runs (padded micro-batches), b * tokens of it early for
+                     the groups accumulate() took; advances step_count and policy_version, and leaves the
+                     weights alone
     role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
                      (GeneratorService make_backend, TrainerService make_learner)
 
@@ -318,6 +319,14 @@ class ModelledLearner(Learner):
         super().__init__(model, config, **kwargs)
         self.costs = costs
 
+    def accumulate(self, groups: Sequence[Group]) -> bool:
+        """Learner.accumulate modelled: the forward/backward share of the groups' cost (per token, no
+        intercept: that is the optimizer step's, paid in step)."""
+        padded = train_tokens(flatten_samples(groups), self.config.micro_batch_tokens, self.config.replay)
+        time.sleep(self.costs.train.per_token_s * padded)
+        self._accumulated.update(g.group_id for g in groups)
+        return True
+
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
         samples = flatten_samples(batch)
@@ -325,7 +334,11 @@ class ModelledLearner(Learner):
             raise ValueError("batch: no samples")
         tokens = sum(s.num_tokens for s in samples)
         padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
-        modelled_s = self.costs.train(padded)
+        rest = [u for u in batch if getattr(u, "group_id", None) not in self._accumulated]
+        self._accumulated = set()
+        rest_padded = train_tokens(flatten_samples(rest), self.config.micro_batch_tokens, self.config.replay) \
+            if rest else 0
+        modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
         time.sleep(modelled_s)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1
