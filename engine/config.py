@@ -132,6 +132,7 @@ class TrainConfig:
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
+    early_backward: bool = True  # a step's complete groups run their forward/backward while the rest generate; false: a batch barrier
     seed: int = 0  # torch / numpy / python seeds of the trainer
     dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # sharding across trainer ranks

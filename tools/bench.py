@@ -2,6 +2,7 @@
 
     python tools/bench.py NAME [--quick] [--json]
     python tools/bench.py pipeline --timeline DIR   # also a timeline (JSON + PNG) of each mode's run
+    python tools/bench.py pipeline --workload longtail   # a long-tail workload like the papers'
     python tools/bench.py --list
 
 Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--timeline", default="", help="pipeline: write each mode's timeline (tools/timeline.py) into DIR")
     parser.add_argument("--ranks", type=int, default=1, help="scale: also the same step on this many trainer ranks")
+    parser.add_argument("--workload", default="default", choices=("default", "longtail"),
+                        help="pipeline: default, or longtail (p99/median >= 8, rollout-dominated, a 12-layer policy)")
     args = parser.parse_args(argv)
     if args.list or not args.name:
         print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{args.name} {time.perf_counter() - start:6.1f}s] {text}", flush=True)
 
     extra = ({"timeline": Path(args.timeline)} if args.timeline else {}) | ({"ranks": args.ranks} if args.ranks > 1 else {})
+    extra |= {"workload_name": args.workload} if args.workload != "default" else {}
     figures = {"bench": args.name, **run(quick=args.quick, log=log, **extra), "quick": args.quick,
                "wall_s": round(time.perf_counter() - start, 2)}
     width = max(map(len, figures))

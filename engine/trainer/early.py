@@ -2,7 +2,8 @@
 their forward/backward at once (Learner.accumulate), while the step's other groups are still generated,
 so that when the last one arrives only its own forward/backward and the optimizer step remain. The policy
 version does not change until that optimizer step, so staleness is what it would be without this, and the
-gradient is the same (tests/engine/test_learner_accumulate.py). Test: tests/engine/test_controller_schedule.py
+gradient is the same (tests/engine/test_learner_accumulate.py). train.early_backward false turns it off (a
+batch barrier: the synchronous baseline of tools/bench.py pipeline). Test: tests/engine/test_controller_schedule.py
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ async def accumulate_committed(service: Any) -> None:
     """Commit the complete groups that belong to the open step and run the forward/backward of those not
     yet run (in a thread, like a step). A learner that cannot (several ranks) leaves them to the step."""
     accumulate = getattr(service.learner, "accumulate", None)
-    if accumulate is None:
+    if accumulate is None or not service.cfg.train.early_backward:
         return
     service.controller.take_for_step()
     done = service.learner.accumulated_group_ids

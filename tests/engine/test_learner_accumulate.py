@@ -17,7 +17,6 @@ import torch
 
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossConfig
-
 from tests.engine.test_learner import make_groups, tiny_model
 
 

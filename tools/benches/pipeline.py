@@ -1,12 +1,13 @@
 """Pipeline benchmark: synchronous (batch barrier) against streaming, real and with modelled compute.
 
-    python tools/bench.py pipeline [--quick] [--json]
+    python tools/bench.py pipeline [--quick] [--json] [--workload longtail]
 
-One workload (the default synthetic task on the shipped tiny model; same train.steps, groups_per_step
-and group_size, so the same samples trained), run five ways, each as separate OS processes (a trainer
-and two generators over tcp loopback, built-in rewards):
+One workload (`workload()`: the default synthetic task on the shipped tiny model, or the long-tail one on
+a 12-layer policy; same train.steps, groups_per_step and group_size, so the same samples trained), run
+several ways, each as separate OS processes (a trainer and two generators over tcp loopback, built-in rewards):
 
-    sync             controller.max_staleness 0: generate the whole batch, then train
+    sync             controller.max_staleness 0 and train.early_backward false: generate the whole batch,
+                     then train it (the batch barrier of synchronous RL)
     stream           controller.max_staleness 1: finished groups stream into training
     modelled_sync    the same two with modelled compute (tools/benches/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
@@ -34,7 +35,10 @@ learner passed to the services. A tool process on the notice socket times each r
 last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; generators 1 - backend busy
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
-it means the workload's balance of compute, not the scheduler, limits the gain. The full run repeats
+it means the workload's balance of compute, not the scheduler, limits the gain (scheduler_efficiency =
+modelled_ratio / modelled_ratio_bound). rollout_share_[modelled_]sync: the trainer's idle share of a sync
+run, i.e. what of a synchronous step is rollout (and weights out); completion_len_p99_over_median of the
+measured completions: both check the long-tail workload's claim in the output. The full run repeats
 every mode twice (ABCDEF FEDCBA) and reports means.
 """
 
@@ -57,10 +61,11 @@ MODELLED_RATIO_TARGET = 2.0
 MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
 DRAFTER_TRAIN_S = {True: 20.0, False: 60.0}  # spot training before the runs (stream+spec), by --quick
 NUM_GENERATORS = 2
+BARRIER = ("--train.early_backward", "false")  # sync: the whole batch generated, then the whole step
 MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides)
-    "sync": (0, False, ()),
+    "sync": (0, False, BARRIER),
     "stream": (1, False, ()),
-    "modelled_sync": (0, True, ()),
+    "modelled_sync": (0, True, BARRIER),
     "modelled_stream": (1, True, ()),
     # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
@@ -79,12 +84,28 @@ class Workload:
     max_new_tokens: int = 64
     max_batch_size: int = 32
     model_path: str = ""  # "" = the shipped tiny model
+    task: str = ""  # "" = the default task
+    deepen_to: int = 0  # > 0: the policy is the shipped model deepened to this many layers, built at bench time
 
     def overrides(self) -> list[str]:
         return ["--train.steps", str(self.steps), "--train.groups_per_step", str(self.groups_per_step),
                 "--sampling.group_size", str(self.group_size), "--sampling.max_new_tokens", str(self.max_new_tokens),
                 "--generator.max_batch_size", str(self.max_batch_size),
-                *(["--model.path", self.model_path] if self.model_path else [])]
+                *(["--model.path", self.model_path] if self.model_path else []),
+                *(["--data.task", self.task] if self.task else [])]
+
+
+def workload(name: str, quick: bool) -> Workload:
+    """default: the default task on the shipped tiny model. longtail: like the papers' (response lengths
+    with p99 / median >= 8, rollout most of a synchronous step): the reverse_longtail task (engine/tasks.py),
+    max_new_tokens 256, on the shipped policy deepened to 12 layers (tools/make_tiny_model.py --deepen),
+    4 groups of 8 per step."""
+    if name == "default":
+        return Workload(steps=3 if quick else 12)
+    if name == "longtail":
+        return Workload(steps=4 if quick else 12, groups_per_step=4, max_new_tokens=256, task="reverse_longtail",
+                        deepen_to=12)
+    raise ValueError(f"--workload: {name!r} is not one of default, longtail")
 
     def config(self):
         from tailrace.engine.config import load_config
@@ -431,11 +452,18 @@ def _timeline(run_dir: Path, mode: str, out: Path, traces: dict[str, list[dict]]
         write([("sync", traces["sync"]), ("stream", traces["stream"])], out / "sync_vs_stream")
 
 
-def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -> dict:
-    w = Workload(steps=3 if quick else 12)
+def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, workload_name: str = "default") -> dict:
+    from dataclasses import replace
+
+    w = workload(workload_name, quick)
     work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-"))
-    log(f"workload: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} (removed "
-        "unless the benchmark fails)")
+    if w.deepen_to:
+        from tailrace.engine.models import resolve_model_path
+        from tools.make_tiny_model import deepen
+
+        w = replace(w, model_path=str(deepen(Path(resolve_model_path("tiny")), work / "policy", w.deepen_to)))
+    log(f"workload {workload_name}: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} "
+        "(removed unless the benchmark fails)")
     _preload(w.model_path or "tiny")
     costs_path = work / "costs.json"
     measure = _start(measure_costs, w, costs_path, quick, log)
@@ -467,7 +495,7 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -
             f"{r['join_spread_s']:.2f} s apart   load {load}")
     from tools.benches.modelled import load_costs
 
-    out = figures(w, load_costs(costs_path), results)
+    out = {"workload": workload_name, **figures(w, load_costs(costs_path), results)}
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -507,6 +535,12 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
             f"decode_step_ms_b{w.max_batch_size}": round(1e3 * statistics.median(costs.decode_step_s[w.max_batch_size]), 3),
             "train_ms_per_1k_padded_tokens": round(1e3 * costs.train(1000), 1),
             "completion_len_median": statistics.median(lengths), "completion_len_p99": _quantile(lengths, 0.99),
+            "completion_len_p99_over_median": round(_quantile(lengths, 0.99) / statistics.median(lengths), 2),
+            # Of a synchronous step, the share that is not the trainer's: rollout (and weights out).
+            "rollout_share_sync": round(_mean(results["sync"], "idle_trainer"), 3),
+            "rollout_share_modelled_sync": round(_mean(results["modelled_sync"], "idle_trainer"), 3),
+            "scheduler_efficiency": round((ms / mt) / (ms / busiest), 3),
+            "num_layers": w.deepen_to or None, "task": w.task or "default",
             "measure_wall_over_cpu": round(costs.info.get("wall_over_cpu", float("nan")), 2),
             "load_1m": {mode: [r["load_1m"] for r in runs] for mode, runs in results.items()}}
     return out
