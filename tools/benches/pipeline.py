@@ -94,6 +94,11 @@ class Workload:
                 *(["--model.path", self.model_path] if self.model_path else []),
                 *(["--data.task", self.task] if self.task else [])]
 
+    def config(self):
+        from tailrace.engine.config import load_config
+
+        return load_config(None, self.overrides())
+
 
 def workload(name: str, quick: bool) -> Workload:
     """default: the default task on the shipped tiny model. longtail: like the papers' (response lengths
@@ -106,11 +111,6 @@ def workload(name: str, quick: bool) -> Workload:
         return Workload(steps=4 if quick else 12, groups_per_step=4, max_new_tokens=256, task="reverse_longtail",
                         deepen_to=12)
     raise ValueError(f"--workload: {name!r} is not one of default, longtail")
-
-    def config(self):
-        from tailrace.engine.config import load_config
-
-        return load_config(None, self.overrides())
 
 
 def load_1m() -> float:
