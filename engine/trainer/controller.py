@@ -1,7 +1,8 @@
 """The trainer's controller: which work goes to which generator, and which groups train when (pure logic).
 
     data source --(admit, within the staleness gate)--> pending sample ranges --(WorkRequest)--> generators
-    generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(pop_batch)--> learner
+    generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(take_for_step)--> the open
+        step's groups (forward/backward early) --(close_step, once nothing it must hold is in flight)--> learner
     generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
     lease runs out --> the sample is reclaimed ("lease_expired") and re-queued; a late result is dropped
 
@@ -70,8 +71,10 @@ class Controller:
 
     Staleness: a batch trained with policy version V only contains samples whose oldest token was
     sampled with version >= V - max_staleness. Admission keeps at most (V + max_staleness + 1) *
-    groups_per_step groups admitted, and pop_batch forces every group that would otherwise become too
-    stale into the current step (waiting for it if needed), so the bound holds without discarding.
+    groups_per_step groups admitted, and every group that would otherwise become too stale is forced into
+    the current step (which waits for it if needed), so the bound holds without discarding. Complete
+    groups are committed to the open step as they come (take_for_step), so the trainer can run their
+    forward/backward while the step waits for its slowest group; close_step says when the step may run.
     """
 
     def __init__(self, prompts: Iterator[PromptRecord], *, group_size: int, groups_per_step: int,
