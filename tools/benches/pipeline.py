@@ -3,7 +3,8 @@
     python tools/bench.py pipeline [--quick] [--json] [--workload longtail]
 
 One workload (`workload()`: the default synthetic task on the shipped tiny model, or the long-tail one on
-a 12-layer policy; same train.steps, groups_per_step and group_size, so the same samples trained), run
+a 12-layer policy; same train.steps, groups_per_step and group_size, so the same samples trained; the
+modelled modes take modelled_steps steps, 12 also with --quick, as they cost sleeps), run
 several ways, each as separate OS processes (a trainer and two generators over tcp loopback, built-in rewards):
 
     sync             controller.max_staleness 0 and train.early_backward false: generate the whole batch,
@@ -17,6 +18,9 @@ several ways, each as separate OS processes (a trainer and two generators over t
                      (other prompts; what a long-lived run resumes with, generator.drafter_path) and
                      trained further in the generators' idle turns; spec_ratio = sync_s / its time
     stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
+    stream_barrier   stream and modelled_stream with train.early_backward false (the step's forward/backward
+    modelled_stream_barrier  only once its last group is in): early_backward_gain = their time / stream's,
+                     modelled_ratio_barrier = modelled_sync_s / the modelled one's: the scheduling rule's gain
     stream-spans     stream with metrics.spans false: spans_ratio = its time / stream's; telemetry_frac is
                      what the generators' own clocks say recording and sending spans cost them, of their wall time
 
@@ -67,6 +71,9 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     "stream": (1, False, ()),
     "modelled_sync": (0, True, BARRIER),
     "modelled_stream": (1, True, ()),
+    # the scheduling rule's own gain: stream with the barrier inside the step (train.early_backward false)
+    "modelled_stream_barrier": (1, True, BARRIER),
+    "stream_barrier": (1, False, BARRIER),
     # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
     "stream+spec_cold": (1, False, ("--generator.speculation", "true")),
@@ -86,6 +93,7 @@ class Workload:
     model_path: str = ""  # "" = the shipped tiny model
     task: str = ""  # "" = the default task
     deepen_to: int = 0  # > 0: the policy is the shipped model deepened to this many layers, built at bench time
+    modelled_steps: int = 12  # the modelled modes cost sleeps, not CPU: enough steps that pipeline fill is small
 
     def overrides(self) -> list[str]:
         return ["--train.steps", str(self.steps), "--train.groups_per_step", str(self.groups_per_step),
@@ -481,10 +489,12 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, w
     traces: dict[str, list[dict]] = {}
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
         staleness, modelled, extra = MODES[mode]
-        args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
+        steps = w.modelled_steps if modelled else w.steps
+        args = [*w.overrides(), "--train.steps", str(steps), "--controller.max_staleness", str(staleness),
+                "--reward.mode", "builtin",
                 "--trainer.stats_interval_s", "0.2", *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
         load = load_1m()
-        r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600,
+        r = run_pipeline(work / "runs", f"{i}-{mode}", args, steps, timeout_s=120 if quick else 600,
                          costs_path=costs_path if modelled else None)
         r["load_1m"] = load
         results[mode].append(r)
@@ -507,7 +517,8 @@ def _mean(runs: list[dict], key: str) -> float:
 def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     s, t = _mean(results["sync"], "seconds"), _mean(results["stream"], "seconds")
     ms, mt = _mean(results["modelled_sync"], "seconds"), _mean(results["modelled_stream"], "seconds")
-    trained = sorted({r["samples_trained"] for runs in results.values() for r in runs})
+    trained = {modelled: {r["samples_trained"] for mode, runs in results.items() for r in runs
+                          if MODES[mode][1] == modelled} for modelled in (False, True)}
     # No schedule of the stream run's work beats its busiest process: trainer or one generator.
     busiest = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"]) for r in results["modelled_stream"])
     lengths = sorted(c.completion_tokens for c in costs.completions)
@@ -524,11 +535,16 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     for key in ("idle_trainer", "idle_generators"):
         out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
     out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}
-    out |= {"samples_equal": len(trained) == 1,
+    barrier_s, mbarrier_s = _mean(results["stream_barrier"], "seconds"), _mean(results["modelled_stream_barrier"], "seconds")
+    out |= {"stream_barrier_s": round(barrier_s, 3), "early_backward_gain": round(barrier_s / t, 3),
+            "modelled_stream_barrier_s": round(mbarrier_s, 3), "modelled_ratio_barrier": round(ms / mbarrier_s, 3),
+            "modelled_early_backward_gain": round(mbarrier_s / mt, 3)}
+    out |= {"samples_equal": all(len(v) == 1 for v in trained.values()),
             "ratio_target": RATIO_TARGET, "ratio_met": s / t > RATIO_TARGET,
             "modelled_ratio_target": MODELLED_RATIO_TARGET, "modelled_ratio_met": ms / mt >= MODELLED_RATIO_TARGET,
             "modelled_ratio_bound": round(ms / busiest, 3),
-            "runs_per_mode": len(results["sync"]), "steps": w.steps, "groups_per_step": w.groups_per_step,
+            "runs_per_mode": len(results["sync"]), "steps": w.steps, "modelled_steps": w.modelled_steps,
+            "groups_per_step": w.groups_per_step,
             "group_size": w.group_size, "max_new_tokens": w.max_new_tokens, "max_batch_size": w.max_batch_size,
             "max_staleness_seen": {mode: max(r["max_staleness_seen"] for r in runs) for mode, runs in results.items()},
             "decode_step_ms_b1": round(1e3 * statistics.median(costs.decode_step_s[1]), 3),
