@@ -282,14 +282,17 @@ class Controller:
         self.step_groups += taken
         return taken
 
-    def close_step(self) -> list[GroupState] | None:
-        """The step's groups once it may run its optimizer step, or None to wait: no group that must be in
-        it is still in flight, and it holds groups_per_step groups or every group that had to be in it."""
+    def step_can_close(self) -> bool:
+        """No group that must be in the open step is still in flight, and it holds groups_per_step groups
+        or every group that had to be in it."""
         limit = self.policy_version + 1 - self.max_staleness
         if any(g.min_version() < limit for g in self.groups.values()):
-            return None
-        if len(self.step_groups) < self.groups_per_step and \
-                not any(g.min_version() < limit for g in self.step_groups):
+            return False
+        return len(self.step_groups) >= self.groups_per_step or any(g.min_version() < limit for g in self.step_groups)
+
+    def close_step(self) -> list[GroupState] | None:
+        """The open step's groups once it may run its optimizer step (step_can_close), or None to wait."""
+        if not self.step_can_close():
             return None
         batch, self.step_groups = self.step_groups, []
         return batch

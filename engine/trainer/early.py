@@ -17,17 +17,22 @@ from tailrace.engine.trainer.intake import to_group
 
 async def accumulate_committed(service: Any) -> None:
     """Commit the complete groups that belong to the open step and run the forward/backward of those not
-    yet run (in a thread, like a step). A learner that cannot (several ranks) leaves them to the step."""
+    yet run (in a thread, like a step), again while more complete meanwhile; nothing when the step can
+    close now (the step itself runs them, without a thread hop). A learner that cannot (several ranks)
+    leaves them to the step."""
     accumulate = getattr(service.learner, "accumulate", None)
     if accumulate is None or not service.cfg.train.early_backward:
         return
-    service.controller.take_for_step()
-    done = service.learner.accumulated_group_ids
-    todo = [g for g in service.controller.step_groups if g.group_id not in done]
-    if not todo:
-        return
-    started = time.monotonic()
-    with service.spans.span("train_accumulate", value=len(todo)):
-        ran = await asyncio.to_thread(accumulate, [to_group(g) for g in todo])
-    if ran:
+    ctl = service.controller
+    while True:
+        ctl.take_for_step()
+        done = service.learner.accumulated_group_ids
+        todo = [g for g in ctl.step_groups if g.group_id not in done]
+        if not todo or ctl.step_can_close():
+            return
+        started = time.monotonic()
+        with service.spans.span("train_accumulate", value=len(todo)):
+            ran = await asyncio.to_thread(accumulate, [to_group(g) for g in todo])
+        if not ran:
+            return
         service.train_busy_s += time.monotonic() - started

@@ -318,14 +318,22 @@ class ModelledLearner(Learner):
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, costs: Costs, **kwargs: Any):
         super().__init__(model, config, **kwargs)
         self.costs = costs
+        self._overslept_s = 0.0
 
     def accumulate(self, groups: Sequence[Group]) -> bool:
         """Learner.accumulate modelled: the forward/backward share of the groups' cost (per token, no
         intercept: that is the optimizer step's, paid in step)."""
         padded = train_tokens(flatten_samples(groups), self.config.micro_batch_tokens, self.config.replay)
-        time.sleep(self.costs.train.per_token_s * padded)
+        self._sleep(self.costs.train.per_token_s * padded)
         self._accumulated.update(g.group_id for g in groups)
         return True
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep the modelled time, less what earlier sleeps overslept (a loaded machine wakes a sleeper
+        late): many small increments then cost what one step of their size costs."""
+        start = time.monotonic()
+        time.sleep(max(0.0, seconds - self._overslept_s))
+        self._overslept_s = max(0.0, self._overslept_s + (time.monotonic() - start) - seconds)
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
@@ -339,7 +347,7 @@ class ModelledLearner(Learner):
         rest_padded = train_tokens(flatten_samples(rest), self.config.micro_batch_tokens, self.config.replay) \
             if rest else 0
         modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
-        time.sleep(modelled_s)
+        self._sleep(modelled_s)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1
         self.policy_version += 1
