@@ -4,6 +4,8 @@
     tailrace trainer --config FILE [--resume] [--nproc N] [--section.name VALUE ...]
     tailrace generator --connect ADDR [--name NAME] [--config FILE] [--section.name VALUE ...]
     tailrace reward --connect ADDR --fn module:function [--tasks a,b] [--max-concurrency N]
+    tailrace reward --connect ADDR --config FILE [--reward.functions ...]   the weighted sum of reward.functions
+    tailrace eval --checkpoint DIR [--config FILE] [--fn module:function] [--json] [--section.name VALUE ...]
     tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
     tailrace --version
 
@@ -46,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Async streaming rollout-and-train engine for RL post-training of language models.",
     )
     parser.add_argument("--version", action="version", version=f"tailrace {_version()}")
-    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward,config}")
+    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward,eval,config}")
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
@@ -75,15 +77,31 @@ def _parser() -> argparse.ArgumentParser:
 
     reward = sub.add_parser("reward", help="serve a Python reward function",
                             description="Run `module:function` (score(prompt, completion, metadata) -> "
-                            "float | dict) as a reward server attached to a trainer.")
+                            "float | dict) as a reward server attached to a trainer; without --fn, the "
+                            "weighted sum of reward.functions (--config FILE or --reward.functions "
+                            "mod:f,mod:g=0.5), each function's value logged under its name.")
     reward.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
-    reward.add_argument("--fn", required=True, help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--fn", default="", help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--config", help="TOML run config whose reward.functions it serves (without --fn)")
     reward.add_argument("--tasks", default="", help="comma-separated task names it scores (default: the "
                         "function's `tasks` attribute if it has one, else all)")
     reward.add_argument("--name", default="", help="unique name in the run (default: reward-<pid>)")
     reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
     _peer_arguments(reward)
+
+    evaluate = sub.add_parser("eval", help="evaluate a saved checkpoint: greedy accuracy, mean reward, pass@k",
+                              epilog=SETTINGS_EPILOG, description="Load a checkpoint folder, sample the eval "
+                              "prompts (eval.source, eval.num_prompts: one greedy sample and eval.n at "
+                              "eval.temperature each, seeded), score them with the built-in task functions or "
+                              "--fn, print one line (and, with --json, a JSON line). Settings: the run's "
+                              "config.toml (runs/<name>/, above checkpoint/), then --config. " + OVERRIDES_HELP)
+    evaluate.add_argument("--checkpoint", required=True,
+                          help="runs/<name>/checkpoint/latest or .../step_NNNNNN (what from_pretrained loads)")
+    evaluate.add_argument("--config", help="TOML run config over the run's own (eval, data, sampling sections apply)")
+    evaluate.add_argument("--fn", default="", help="module:function that scores the prompts' tasks, as "
+                          "`tailrace reward --fn` would (default: the built-in task functions)")
+    evaluate.add_argument("--json", action="store_true", help="also print the figures as one JSON line, last")
 
     config = sub.add_parser("config", help="print every setting, resolved, with its meaning and default",
                             description="Print the config that `--config FILE` and the overrides resolve to, as "
@@ -121,8 +139,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     role_parser = args.role_parsers[args.role]
-    if args.role == "reward" and overrides:
-        role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.role == "reward" and args.fn and overrides:
+        role_parser.error(f"unrecognized arguments: {' '.join(overrides)} (settings go with reward.functions, not --fn)")
     problem = _bad_override(overrides)
     if problem is not None:
         role_parser.error(problem)
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             from tailrace.engine.trainer.main import main as role_main
         elif args.role == "generator":
             from tailrace.engine.generator.main import main as role_main
+        elif args.role == "eval":
+            from tailrace.engine.evaluate import main as role_main
         elif args.role == "config":
             from tailrace.engine.config import commented_toml, load_config
 

@@ -8,6 +8,7 @@ Test: pytest tests/engine/test_config.py
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -27,10 +28,32 @@ def _check(cond: bool, name: str, text: str) -> None:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters trained instead of the full model (engine/trainer/lora.py, peft); r = 0 = off."""
+
+    r: int = 0  # adapter rank; 0 = off (full fine-tuning); > 0 trains only the adapters (pip install 'tailrace[lora]')
+    alpha: float = 16.0  # the adapter's update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input; > 0 only with train.replay = "naive" (exact gradients)
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")  # linear layers of the decoder layers that get adapters; ["all-linear"] = every one
+
+    def __post_init__(self):
+        _check(self.r >= 0, "model.lora.r", "must be >= 0")
+        _check(self.alpha > 0, "model.lora.alpha", "must be > 0")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+        _check(len(self.target_modules) >= 1 and all(t.strip() for t in self.target_modules),
+               "model.lora.target_modules", "needs at least one module name")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     path: str = ""  # local Hugging Face checkpoint folder; "" = the shipped tiny model (examples/tiny)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
     device: str = "cpu"  # torch device of trainer and generators (cpu, cuda, cuda:1, ...)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # low-rank adapters (peft); TOML: lora = {r = 8, alpha = 16}
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"), "model.dtype",
@@ -39,10 +62,11 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[:SPLIT]" (datasets)
+    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; README: Your own model and data)
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
-    prompt_field: str = "prompt"  # file rows: the field holding the prompt text
-    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer"
+    prompt_field: str = "prompt"  # file rows: the field holding the prompt, text or a list of {role, content} turns (else a `messages` field)
+    chat_template: str = "auto"  # conversational rows: auto (the tokenizer's chat template) / none (refused) / a Jinja template file that overrides the tokenizer's
+    answer_field: str = "answer"  # file rows: copied into reward metadata as "answer" (a `messages` row without it: its final assistant turn)
     seed: int = 0  # seed of the synthetic prompt stream and of data.shuffle
     max_prompt_tokens: int = 0  # 0 = the model's context minus sampling.max_new_tokens
     epochs: int = 1  # file data: passes over the rows before the run stops (train.steps may stop it first)
@@ -51,6 +75,7 @@ class DataConfig:
     def __post_init__(self):
         _check(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0")
         _check(self.epochs >= 1, "data.epochs", "must be >= 1")
+        _check(bool(self.chat_template), "data.chat_template", 'must be "auto", "none" or a Jinja template file')
 
 
 @dataclass(kw_only=True)
@@ -84,15 +109,49 @@ class ControllerConfig:
 
 
 @dataclass(kw_only=True)
+class RewardFunctionConfig:
+    """One entry of reward.functions (engine/reward_fns.py combines them)."""
+
+    fn: str = ""  # module:function, score(prompt, completion, metadata) -> float | dict
+    weight: float = 1.0  # its factor in the weighted sum
+    name: str = ""  # metrics key trainer/reward/details/<name>; "" = the function's name
+    tasks: tuple[str, ...] = ()  # tasks it scores; () = its `tasks` attribute if it has one, else every task
+
+    def __post_init__(self):
+        module, sep, attr = self.fn.partition(":")
+        _check(bool(sep and module and attr), "reward.functions", f"fn {self.fn!r}: expected module:function")
+        _check(math.isfinite(self.weight), "reward.functions", f"{self.fn}: weight must be finite, got {self.weight}")
+
+    @property
+    def key(self) -> str:
+        return self.name or self.fn.partition(":")[2]
+
+    @classmethod
+    def from_text(cls, text: str, name: str) -> RewardFunctionConfig:
+        """The command-line form "module:function" or "module:function=WEIGHT"."""
+        fn, eq, weight = text.partition("=")
+        try:
+            return cls(fn=fn.strip(), weight=float(weight) if eq else 1.0)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {text!r} is not module:function[=WEIGHT] ({exc})") from None
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     mode: str = "auto"  # auto: attached servers for their tasks, built-in functions for the rest; builtin; servers
     timeout_s: float = 30.0  # per score request
     retries: int = 2  # a failed or timed-out request is retried on another server this often
     wait_for_server_s: float = 60.0  # how long a completion only a server can score waits for one (then: no_reward_server)
+    functions: tuple[RewardFunctionConfig, ...] = ()  # several functions, served as their weighted sum by one reward server: [{fn = "mod:f", weight = 1.0, name = "", tasks = []}, ...] or "mod:f,mod:g=0.5"; README: Several reward functions
 
     def __post_init__(self):
         _check(self.mode in ("auto", "builtin", "servers"), "reward.mode",
                f"{self.mode!r} is not one of auto, builtin, servers")
+        _check(not self.functions or self.mode != "builtin", "reward.functions",
+               'run on a reward server: needs reward.mode "auto" or "servers", not "builtin"')
+        keys = [f.key for f in self.functions]
+        _check(len(set(keys)) == len(keys), "reward.functions",
+               f"names {keys} repeat: give each entry its own name")
         _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
         _check(self.retries >= 0, "reward.retries", "must be >= 0")
 
@@ -104,7 +163,6 @@ class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered parameters after forward-only passes (reference model); a training step keeps them gathered
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA)
     mixed_precision: str = "auto"  # auto (bf16 parameters, fp32 reduction on CUDA; model dtype on CPU) | bf16 | off
-    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     collective_timeout_s: float = 300.0  # a collective that waits longer (a dead or stuck rank) raises
 
     def __post_init__(self):
@@ -131,6 +189,9 @@ class TrainConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
+    ppo_epochs: int = 1  # passes over each step's batch (TRL num_iterations); > 1: the clip acts against the policy at the start of the step
+    minibatches: int = 1  # optimizer updates per pass: the step's groups split into this many parts, whole groups each
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long contexts), every train.replay mode
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
     early_backward: bool = True  # a step's complete groups run their forward/backward while the rest generate; false: a batch barrier
     seed: int = 0  # torch / numpy / python seeds of the trainer
@@ -152,6 +213,11 @@ class TrainConfig:
         _check(self.replay in ("auto", "naive", "replay", "packed"), "train.replay",
                f"{self.replay!r} is not one of auto, naive, replay, packed")
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+        _check(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _check(1 <= self.minibatches <= self.groups_per_step, "train.minibatches",
+               f"must be in [1, train.groups_per_step = {self.groups_per_step}]: each part holds whole groups")
+        _check(self.algorithm != "dpo" or (self.ppo_epochs, self.minibatches) == (1, 1), "train.ppo_epochs",
+               "dpo takes one optimizer step per batch of pairs: ppo_epochs and minibatches must be 1")
         _check(len(self.betas) == 2, "train.betas", "needs two values")
 
 
@@ -163,6 +229,30 @@ class CheckpointConfig:
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
         _check(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int = 0  # evaluate after every N optimizer steps (README, "Evaluation"); 0 = off
+    source: str = "synthetic"  # "synthetic": a held-out split of data.task's prompts, never trained on; or a .jsonl / .parquet file or "hf:NAME[:SPLIT]", read like data.source
+    num_prompts: int = 32  # prompts per evaluation (files: the first rows; 0 = every row of the file)
+    n: int = 4  # samples per prompt at eval.temperature, for pass@k (besides one greedy sample)
+    temperature: float = 1.0  # of the n samples; top_p, top_k and max_new_tokens are sampling's
+    pass_k: tuple[int, ...] = (1, 4)  # the k of pass@k (unbiased estimator of Chen et al. 2021), each <= eval.n
+    correct_reward: float = 1.0  # a sample counts as correct (accuracy, pass@k) when its reward is >= this
+    timeout_s: float = 600.0  # an evaluation not answered in full after this long is given up (said, not reported)
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "eval.every_steps", "must be >= 0")
+        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0")
+        _check(self.num_prompts >= 1 or self.source != "synthetic", "eval.num_prompts",
+               "must be >= 1 with eval.source synthetic (0 = every row is for files)")
+        _check(self.n >= 1, "eval.n", "must be >= 1")
+        _check(0.0 <= self.temperature <= 100.0, "eval.temperature", "must be in [0, 100]")
+        _check(bool(self.pass_k) and all(1 <= k <= self.n for k in self.pass_k), "eval.pass_k",
+               f"{list(self.pass_k)} must be a non-empty list of k in [1, eval.n = {self.n}]")
+        _check(len(set(self.pass_k)) == len(self.pass_k), "eval.pass_k", "lists a k twice")
+        _check(self.timeout_s > 0, "eval.timeout_s", "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -226,7 +316,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class LaunchConfig:
     num_generators: int = 2  # generator processes
-    reward_server: bool = True  # start the built-in tasks' reward server (never with reward.mode = servers)
+    reward_server: bool = True  # start a reward server: reward.functions' weighted sum when set, else the built-in tasks' (not with reward.mode = servers)
     on_child_crash: str = "stop"  # stop | restart
     max_restarts: int = 3  # per child, with on_child_crash = "restart"
     torch_threads: int = 1  # per child process; 2 cores run 4 processes
@@ -263,14 +353,28 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
+    def __post_init__(self):
+        lora = self.model.lora
+        _check(not lora.enabled or not lora.dropout or self.train.replay == "naive", "model.lora.dropout",
+               f"{lora.dropout} > 0 draws different masks per forward, which branch-replay cannot reproduce "
+               f"exactly: set it to 0 or train.replay = \"naive\" (train.replay is {self.train.replay!r})")
+        _check(not (self.eval.every_steps and self.train.algorithm == "dpo"), "eval.every_steps",
+               "evaluation samples on generators, and train.algorithm dpo has none (set it to 0)")
+
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # an entry of a list of tables (reward.functions)
+        if isinstance(value, str) and hasattr(tp, "from_text"):
+            return tp.from_text(value, name)
+        if isinstance(value, dict):
+            return from_dict(tp, value, name + ".")
     if isinstance(value, str) and tp is not str:
         if tp is bool:
             lowered = value.lower()
@@ -303,6 +407,9 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     return value
 
 
+_MOVED = {"train.fsdp.activation_checkpointing": "train.gradient_checkpointing"}
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build a config dataclass from nested dicts, rejecting unknown keys with the dotted name."""
     hints = typing.get_type_hints(cls)
@@ -310,6 +417,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        _check(dotted not in _MOVED, dotted, f"renamed: set {_MOVED.get(dotted)} instead")
         if key not in names:
             raise ValueError(f"{dotted}: unknown setting (known: {', '.join(sorted(names))})")
         tp = hints[key]
@@ -373,6 +481,8 @@ def _inline(value: Any) -> str:
     """A value as inline TOML text, for the README's reference table (files go through tomli_w)."""
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{" + ", ".join(f"{k} = {_inline(v)}" for k, v in dataclasses.asdict(value).items()) + "}"
     return tomli_w.dumps({"v": value}).partition(" = ")[2].strip()
 
 

@@ -1,7 +1,8 @@
 """`tailrace run`: a trainer, launch.num_generators generators and a reward server as separate OS
 processes on this machine over loopback, supervised, with progress bars. The reward server serves the
-built-in tasks' functions (only those tasks); with reward.mode = "servers" it is not started, and the
-launcher prints the line that attaches the user's own.
+built-in tasks' functions (only those tasks), or the weighted sum of reward.functions when they are set;
+with reward.mode = "servers" and no reward.functions it is not started, and the launcher prints the line
+that attaches the user's own.
 
     supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
                      generator or reward server stops the run (SIGINT to the trainer, which
@@ -32,11 +33,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import preflight, report
+from tailrace.engine import preflight, report, reward_fns
 from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
+BUILTIN_REWARD = "tailrace.engine.tasks:score"
+
+
+@dataclass
+class UserReward:
+    """A reward function handed to tailrace.run(): a child process `tailrace reward --fn spec` when it can
+    be imported by name (spec "module:qualname"), else served inside this process (a lambda, a closure,
+    a function of __main__), on the launcher's event loop with the calls in the SDK's thread pool."""
+
+    fn: Any
+    tasks: tuple[str, ...] = ()
+    spec: str = ""
+
+    def task_args(self) -> list[str]:
+        return ["--tasks", ",".join(self.tasks)] if self.tasks else []
+
+    async def serve(self, address: str, keys: CurveKeys | None) -> str:
+        from tailrace.protocol.reward_sdk import serve
+
+        return await serve(self.fn, address, tasks=self.tasks or tuple(getattr(self.fn, "tasks", ())) or ("*",),
+                           name="reward-0", curve_server_key=keys.server_public if keys else None,
+                           curve_secret_key=keys.secrets["reward-0"] if keys else None, waiting_every_s=0)
 
 
 @dataclass
@@ -102,8 +125,9 @@ class CurveKeys:
 
 class Launcher:
     def __init__(self, cfg: RunConfig, config_path: Path, run_dir: Path, *, resume: bool, progress: bool,
-                 keys: CurveKeys | None = None):
+                 keys: CurveKeys | None = None, reward: UserReward | None = None):
         self.cfg = cfg
+        self.reward = reward
         self.keys = keys
         self.run_dir = run_dir
         self.config_path = config_path
@@ -145,9 +169,14 @@ class Launcher:
             argv = self.cli("generator", "--connect", address, "--name", f"gen-{i}", "--config", str(self.config_path),
                             *self.key_args(f"gen-{i}"))
             self.children.append(Child(f"gen-{i}", argv, logs / f"gen-{i}.log"))
-        if self.starts_reward_server():
-            argv = self.cli("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "reward-0",
-                            *self.key_args("reward-0"))
+        if self.starts_reward_server() and (self.reward is None or self.reward.spec):
+            if self.reward is not None:
+                serves = ["--fn", self.reward.spec, *self.reward.task_args()]
+            elif self.cfg.reward.functions:
+                serves = ["--config", str(self.config_path)]
+            else:
+                serves = ["--fn", BUILTIN_REWARD]
+            argv = self.cli("reward", "--connect", address, *serves, "--name", "reward-0", *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
         for child in self.children[1:]:
             child.start(self.env)
@@ -156,8 +185,12 @@ class Launcher:
         return self.keys.args(name) if self.keys is not None else []
 
     def starts_reward_server(self) -> bool:
-        """reward.mode = "servers" means the user's servers score everything: the built-in one stays out."""
-        return self.cfg.launch.reward_server and self.cfg.reward.mode != "servers"
+        """reward.mode = "servers" means the user's servers score everything: the built-in one stays out,
+        unless it serves the user's reward.functions. A reward function given to tailrace.run() is the
+        user's server: it always starts, in place of the built-in one."""
+        if self.reward is not None:
+            return True
+        return self.cfg.launch.reward_server and (self.cfg.reward.mode != "servers" or bool(self.cfg.reward.functions))
 
     def attach_hint(self, address: str) -> str:
         """How to attach a reward server for data.task, with this run's keys when CURVE is on."""
@@ -234,7 +267,7 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: b
                     msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
                 except TimeoutError:
                     continue
-                if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over"):
+                if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over", "eval"):
                     if steps is not None:
                         steps.write(f"trainer: {msg.text}")
                     else:
@@ -269,6 +302,9 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
     if launcher.progress:
         progress = asyncio.create_task(_progress(address, launcher.cfg.train.steps, done, bars=sys.stderr.isatty(),
                                                  keys=launcher.keys))
+    reward = None
+    if launcher.reward is not None and not launcher.reward.spec:
+        reward = asyncio.create_task(launcher.reward.serve(address, launcher.keys), name="reward-0")
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: trainer.alive() and trainer.proc.send_signal(signal.SIGINT))
     try:
@@ -276,11 +312,27 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
             if progress is not None and progress.done() and progress.exception() is not None:
                 print(f"tailrace run: progress display failed: {progress.exception()}", file=sys.stderr)
                 progress = None
+            if reward is not None and reward.done():
+                _reward_ended(launcher, trainer, reward)
+                reward = None
             await asyncio.sleep(0.2)
     finally:
         done.set()
-        if progress is not None:
-            await asyncio.gather(progress, return_exceptions=True)
+        for task in (progress, reward):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+def _reward_ended(launcher: Launcher, trainer: Child, reward: asyncio.Task) -> None:
+    """The in-process reward server ends with the trainer's Shutdown; anything else stops the run, as a
+    crashed reward server child does under launch.on_child_crash = "stop"."""
+    if reward.cancelled() or reward.exception() is None or not trainer.alive():
+        return
+    launcher.failed = True
+    launcher.stop_reason = f"the reward function's server failed: {reward.exception()!r}"
+    print(f"\ntailrace run: {launcher.stop_reason}; stopping the run", file=sys.stderr)
+    trainer.proc.send_signal(signal.SIGINT)
 
 
 def _prepare(args: Any, overrides: list[str]) -> tuple[RunConfig, bool]:
@@ -298,6 +350,8 @@ def _prepare(args: Any, overrides: list[str]) -> tuple[RunConfig, bool]:
         raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
     preflight.check_model_path(cfg.model.path)
     preflight.check_bind_free(cfg.trainer.bind)
+    if cfg.reward.functions and cfg.launch.reward_server:  # one line now, not a reward server's crash later
+        reward_fns.components(cfg.reward.functions)
     return cfg, False
 
 
@@ -307,7 +361,7 @@ def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
         print(f"tailrace run: warning: {warning}", file=sys.stderr)
     print(f"tailrace run: trainer at {address}; starting {cfg.launch.num_generators} generators"
           + (" and a reward server" if launcher.starts_reward_server() else ""))
-    if cfg.reward.mode == "servers":
+    if cfg.reward.mode == "servers" and not launcher.starts_reward_server():
         print(launcher.attach_hint(address), flush=True)
     else:
         print("tailrace run: attach a reward server with: "
@@ -322,8 +376,11 @@ def _say_finished(run_dir: Path) -> None:
         print(f"tailrace run: {report.summary_line(summary)}")
 
 
-def main(args: Any, overrides: list[str]) -> int:
+def main(args: Any, overrides: list[str], *, reward: UserReward | None = None) -> int:
+    """`tailrace run` (args: config, resume, no_progress); tailrace.run() calls it with a reward function."""
     cfg, dpo = _prepare(args, overrides)
+    if dpo and reward is not None:
+        raise ValueError("train.algorithm = dpo: a reward function has nothing to score (DPO trains on pairs)")
     if dpo:  # one role: nothing to launch or supervise beside the trainer
         from tailrace.engine.trainer.main import main as trainer_main
 
@@ -333,7 +390,7 @@ def main(args: Any, overrides: list[str]) -> int:
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
     try:
         with preflight.removed_if_start_fails(run_dir):  # the trainer's log tail is printed first
-            launcher = _set_up(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+            launcher = _set_up(cfg, run_dir, resume=args.resume, progress=not args.no_progress, reward=reward)
             trainer, endpoint = launcher.start_trainer()
     except RuntimeError as exc:
         print(f"tailrace run: {exc}", file=sys.stderr)
@@ -353,7 +410,7 @@ def main(args: Any, overrides: list[str]) -> int:
     return 1 if launcher.failed else 0
 
 
-def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool) -> Launcher:
+def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, reward: UserReward | None = None) -> Launcher:
     """The run folder (logs, CURVE keys, the children's launch.toml) and its Launcher."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     keys = None
@@ -365,4 +422,4 @@ def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool) -> L
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")
-    return Launcher(cfg, config_path, run_dir, resume=resume, progress=progress, keys=keys)
+    return Launcher(cfg, config_path, run_dir, resume=resume, progress=progress, keys=keys, reward=reward)

@@ -1,9 +1,9 @@
 """Preference pairs for `train.algorithm = "dpo"`: rows with a prompt, a chosen and a rejected completion.
 
 Rows come from the same readers as GRPO prompts (engine/data.py: JSONL, Parquet, `hf:NAME`); the prompt
-is the `data.prompt_field` column, tokenized as the GRPO path tokenizes prompts; `chosen` and `rejected`
-are tokenized without special tokens and end with the tokenizer's EOS, as a sampled completion that
-stopped would. A source has a position (rows consumed) that checkpoints store, so `--resume` continues
+is the `data.prompt_field` column, tokenized as the GRPO path tokenizes prompts (text as is, a list of
+turns through the chat template, engine/chat.py); `chosen` and `rejected` are text, tokenized without
+special tokens, and end with the tokenizer's EOS, as a sampled completion that stopped would. A source has a position (rows consumed) that checkpoints store, so `--resume` continues
 at the same row; pairs too long for the model are skipped and counted. Test: pytest tests/engine/test_dpo.py
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tailrace.engine.chat import ChatTemplate, conversation
 from tailrace.engine.config import DataConfig
 from tailrace.engine.data import file_rows
 
@@ -51,6 +52,7 @@ class PairSource:
         self.skipped_too_long = 0
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = [eos] if isinstance(eos, int) else []
+        self._chat = ChatTemplate(cfg.chat_template, tokenizer)
         self._rows = iter(file_rows(cfg))
         for _ in range(position):  # files have no random access in general; skip what was used
             next(self._rows, None)
@@ -63,7 +65,7 @@ class PairSource:
             row = next(self._rows)  # StopIteration ends the source
             index = self.position
             self.position += 1
-            pair = PreferencePair(index, list(self.tokenizer.encode(self._text(row, index, self.cfg.prompt_field))),
+            pair = PreferencePair(index, self._prompt(row, index),
                                   *(self._completion(row, index, name) for name in COMPLETION_FIELDS))
             too_long_prompt = 0 < self.cfg.max_prompt_tokens < len(pair.prompt_ids)
             if pair.num_tokens > self.max_tokens or too_long_prompt:
@@ -79,6 +81,12 @@ class PairSource:
             if len(out) == num_pairs:
                 break
         return out
+
+    def _prompt(self, row: dict[str, Any], index: int) -> list[int]:
+        chat = conversation(row, self.cfg.prompt_field, index)
+        if chat is not None:  # the turns through the chat template, as a GRPO prompt's
+            return self._chat.encode(chat[0], index)[0]
+        return list(self.tokenizer.encode(self._text(row, index, self.cfg.prompt_field)))
 
     def _text(self, row: dict[str, Any], index: int, name: str) -> str:
         value = row.get(name)

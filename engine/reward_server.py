@@ -1,36 +1,42 @@
-"""Entry point of `tailrace reward`: serve a user's Python function as a reward server.
+"""Entry point of `tailrace reward`: serve a user's Python function, or the weighted sum of
+reward.functions (engine/reward_fns.py), as a reward server.
 
 Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.tasks:score [--tasks reverse,copy]
+ or: tailrace reward --connect tcp://127.0.0.1:5555 --config run.toml   (its reward.functions)
 The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
 Without --tasks the server registers the function's `tasks` attribute when it has one (the built-in
-tasks' `score` does), else "*" (every task).
+tasks' `score` does), else "*" (every task); for reward.functions, every task one of them scores.
 Started before its trainer, it waits for one (saying so every few seconds), for --connect-timeout-s
 seconds or, by default, until the trainer comes up.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
+from tailrace.engine import reward_fns
+from tailrace.engine.reward_fns import load_function
 
-def load_function(spec: str) -> Any:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--fn {spec!r}: expected module:function, e.g. engine.tasks:score")
-    sys.path.insert(0, str(Path.cwd()))  # user modules next to where they run the command
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--fn {spec!r}: cannot import {module_name}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"--fn {spec!r}: {module_name} has no function {attr!r}")
-    return fn
+__all__ = ["load_function", "main", "score_function"]
+
+
+def score_function(args: Any, overrides: list[str]) -> Any:
+    """--fn's function, or the weighted sum of reward.functions from --config and the overrides."""
+    if args.fn:
+        if args.config or overrides:
+            raise ValueError("--fn serves one function: give it, or reward.functions (--config FILE / "
+                             "--reward.functions ...), not both")
+        return load_function(args.fn)
+    from tailrace.engine.config import load_config
+
+    functions = load_config(args.config, overrides).reward.functions
+    if not functions:
+        raise ValueError("needs --fn module:function, or reward.functions in --config FILE (or as "
+                         "--reward.functions mod:f,mod:g=0.5)")
+    return reward_fns.combine(reward_fns.components(functions))
 
 
 def main(args: Any, overrides: list[str]) -> int:
@@ -39,7 +45,7 @@ def main(args: Any, overrides: list[str]) -> int:
     from tailrace.protocol.reward_sdk import serve
     from tailrace.protocol.transport import ConnectionLost, ConnectTimeout, Rejected, read_key, run
 
-    fn = load_function(args.fn)
+    fn = score_function(args, overrides)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     tasks = tasks or tuple(getattr(fn, "tasks", ())) or ("*",)
     try:

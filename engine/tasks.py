@@ -88,25 +88,29 @@ def sample_length(rng: random.Random, median: float = LENGTH_MEDIAN, sigma: floa
     return min(max(length, MIN_LENGTH), max_length)
 
 
-def make_prompt(task: str, seed: int, index: int) -> Prompt:
-    """Prompt ``index`` of the stream ``(task, seed)``; a pure function of its arguments."""
+def make_prompt(task: str, seed: int, index: int, *, split: str = "train") -> Prompt:
+    """Prompt ``index`` of the stream ``(task, seed)``; a pure function of its arguments. ``split="eval"``
+    is another stream of the same task (the held-out prompts of README "Evaluation"); texts the two
+    streams share are kept out of training by the trainer, not here."""
     spec = _task(task)
     if index < 0:
         raise ValueError(f"index: must be >= 0, got {index}")
     # Seeding with a str goes through sha512: stable across processes, whatever PYTHONHASHSEED is.
-    rng = random.Random(f"{task}:{seed}:{index}")
-    s = "".join(rng.choice(ALPHABET) for _ in range(sample_length(rng, spec.length_median, spec.length_sigma, spec.max_length)))
+    rng = random.Random(f"{task}:{seed}:{index}" if split == "train" else f"{task}:{seed}:{split}:{index}")
+    length = sample_length(rng, spec.length_median, spec.length_sigma, spec.max_length)
+    s = "".join(rng.choice(ALPHABET) for _ in range(length))
     answer = spec.transform(s)
     metadata: dict[str, MetadataValue] = {"task": task, "answer": answer, "length": len(answer)}
     return Prompt(prompt_id=index, text=f"{spec.prefix}{s}=", task=task, metadata=metadata)
 
 
-def synthetic_prompts(task: str = DEFAULT_TASK, seed: int = 0, start: int = 0) -> Iterator[Prompt]:
-    """Endless, deterministic prompts ``start, start + 1, ...`` of ``task``."""
+def synthetic_prompts(task: str = DEFAULT_TASK, seed: int = 0, start: int = 0, *,
+                      split: str = "train") -> Iterator[Prompt]:
+    """Endless, deterministic prompts ``start, start + 1, ...`` of ``task`` (and ``split``)."""
     _task(task)
     index = start
     while True:
-        yield make_prompt(task, seed, index)
+        yield make_prompt(task, seed, index, split=split)
         index += 1
 
 

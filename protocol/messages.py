@@ -25,8 +25,9 @@ from tailrace.protocol.schema import (
     struct,
 )
 
-PROTOCOL_VERSION = 1
-"""Version of the wire layout (frames and field order). Unrelated to the policy version of weights."""
+PROTOCOL_VERSION = 2
+"""Version of the wire layout (frames and field order). Unrelated to the policy version of weights.
+2: WorkItem.eval and Rollout.eval appended (evaluation work, never trained)."""
 
 ROLES = ("trainer", "generator", "reward", "tool")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -87,8 +88,11 @@ class SamplingParams(WireStruct):
 class WorkItem(WireStruct):
     """One prompt to sample `num_samples` times (a GRPO group, or part of one).
 
+    eval: the trainer's evaluation (README, "Evaluation"): sampled and streamed like any work, answered by
+    Rollouts with eval set, scored and reported by the trainer, never trained.
+
     Example: WorkItem(group_id=12, prompt_token_ids=[1, 57, 33], num_samples=8, first_sample_id=0,
-    sampling=SamplingParams(), task="copy", min_policy_version=3)
+    sampling=SamplingParams(), task="copy", min_policy_version=3, eval=False)
     """
 
     group_id: UInt
@@ -98,6 +102,7 @@ class WorkItem(WireStruct):
     sampling: SamplingParams = field(default_factory=SamplingParams)
     task: Annotated[str, Meta(max_length=256)] = ""
     min_policy_version: UInt = 0  # do not sample with weights older than this
+    eval: bool = False  # evaluation work: scored and reported, never trained; its Rollouts say eval too
 
 
 # ---------------------------------------------------------------------------------------- handshake
@@ -113,7 +118,7 @@ class Hello(WireStruct):
     incarnation: larger for each new process under this name (our Client: wall-clock microseconds at
     start); a Hello whose name is connected takes that session over when incarnation >= the live one's.
 
-    Example: Hello(role="reward", name="math-grader", protocol_version=1, package_version="0.1.0",
+    Example: Hello(role="reward", name="math-grader", protocol_version=2, package_version="0.1.0",
     tasks=["math"], max_inflight=16, capabilities={"language": "go"})
     """
 
@@ -151,7 +156,7 @@ class Welcome(WireStruct):
 class Reject(WireStruct):
     """The trainer refuses a Hello (wrong protocol version, duplicate name, ...). The peer should exit.
 
-    Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 1")
+    Example: Reject(code=403, text="protocol version 3 not supported; this trainer speaks 2")
     """
 
     code: Code
@@ -225,6 +230,7 @@ class Rollout(WireStruct):
     queue_s: Seconds = 0.0
     decode_s: Seconds = 0.0
     finished_wall_s: Seconds = 0.0
+    eval: bool = False  # the sample answers a WorkItem with eval set (the trainer checks it)
 
     def __post_init__(self):
         num = self.completion_token_ids.shape[0]

@@ -9,8 +9,8 @@ dependencies point down, tools -> engine -> (kernels, protocol), as README's "La
                         does engine/replay/ import engine/generator/.
     engine/*.py         the shared core (config, data, samples, losses, ...) imports none of engine's
                         subpackages; only the command line does: cli.py, which dispatches to a role's
-                        main, and launch.py (`tailrace run`), which runs the trainer's main in process
-                        when it is the only role (DPO).
+                        main, launch.py (`tailrace run`), which runs the trainer's main in process
+                        when it is the only role (DPO), and evaluate.py (`tailrace eval`).
     protocol/, kernels/ import nothing of engine/.
     engine/, kernels/, protocol/ import nothing of tools/ (benchmark machinery stays in tools/).
     everywhere          the import names are tailrace.*: no bare `engine`, `kernels` or `protocol`.
@@ -28,10 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = ("engine", "kernels", "protocol")  # folders whose import names are tailrace.<folder>
 SCANNED = (*INSTALLED, "tools", "tests", "examples")
 COMMAND_LINE = "tailrace.engine.cli"
-ENTRY_POINTS = {COMMAND_LINE, "tailrace.engine.launch"}
+# evaluate.py (`tailrace eval`) runs the generator's backend and the trainer's reward dispatcher in one process.
+ENTRY_POINTS = {COMMAND_LINE, "tailrace.engine.launch", "tailrace.engine.evaluate"}
+
+
+TOP_LEVEL = ROOT / "engine" / "_toplevel"  # the `tailrace` package itself (pyproject.toml's package-dir)
 
 
 def module_name(path: Path) -> str:
+    if path.parent == TOP_LEVEL:
+        return "tailrace" if path.name == "__init__.py" else f"tailrace.{path.stem}"
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

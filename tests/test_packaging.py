@@ -43,7 +43,7 @@ BOTH_INSTALLED = """
 import importlib.metadata as md, json, shutil, subprocess
 import kernels
 from transformers.utils import import_utils as u
-import tailrace.engine.cli, tailrace.protocol.codec as codec, tailrace.protocol.messages as m
+import tailrace, tailrace.engine.cli, tailrace.protocol.codec as codec, tailrace.protocol.messages as m
 from tailrace.kernels.logprobs import chunked_logprobs
 import torch
 hidden, head = torch.randn(10, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
@@ -56,7 +56,9 @@ print(json.dumps({"hf_kernels": hasattr(kernels, "get_kernel") and "/site-packag
                   "transformers_sees_hf_kernels": u.is_kernels_available.__wrapped__("0.0.0", "999999"),
                   "logprobs_ok": bool(torch.allclose(got, want)),
                   "codec_ok": codec.decode(codec.encode(m.Heartbeat(seq=3))) == m.Heartbeat(seq=3),
-                  "console_script": "usage: tailrace" in help_out}))
+                  "console_script": "usage: tailrace" in help_out,
+                  "python_api": "/site-packages/tailrace/__init__.py" in tailrace.__file__
+                                and tailrace.Config().train.steps > 0 and callable(tailrace.run)}))
 """
 
 
@@ -87,7 +89,7 @@ def test_tailrace_and_hugging_face_kernels_install_together(tmp_path):
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures.pop("kernels_version")
     assert figures == {"hf_kernels": True, "transformers_sees_hf_kernels": True, "logprobs_ok": True,
-                       "codec_ok": True, "console_script": True}, figures
+                       "codec_ok": True, "console_script": True, "python_api": True}, figures
 
 
 PROTOCOL_IMPORTS = """
@@ -99,7 +101,7 @@ from tailrace.protocol.codec import decode, encode
 from tailrace.protocol.messages import Score, ScoreRequest, Heartbeat, Hello, Work, WorkItem
 msgs = [ScoreRequest(request_id=1, task="t", prompt="p", completion="c", metadata={"a": 1}),
         Score(request_id=1, reward=0.5), Heartbeat(seq=1), Work(items=[WorkItem(group_id=1, prompt_token_ids=[1],
-        num_samples=2)]), Hello(role="reward", name="r", protocol_version=1, package_version="0")]
+        num_samples=2)]), Hello(role="reward", name="r", protocol_version=2, package_version="0")]
 for m in msgs:
     assert decode(encode(m)) == m
 loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "tailrace", "tools", "numpy"))

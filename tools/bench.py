@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "replay": "tools.benches.replay:run",  # branch-replay: naive vs replay vs packed step, efficiency vs FLOP ideal
     "faults": "tools.benches.faults:run",  # kill -9 of each role, a silent generator, a fuzz burst vs a clean run
     "scale": "tools.benches.scale:run",  # one step over >= 2.1M logical tokens with a tiny model: time, peak RSS
+    "checkpointing": "tools.benches.checkpointing:run",  # train.gradient_checkpointing: saved bytes, heap peak, time vs plain
     "backends": "tools.benches.backends:run",  # raw vLLM vs our vLLM backend vs torch backend: tokens/s, update_ms
 }
 """NAME -> "module:function"."""

@@ -4,7 +4,8 @@
 
 Panels, each drawn when some run logged its metrics: reward (mean, with a band of one std), loss,
 staleness (mean and max), branch-replay saving (logical / unique tokens), training tokens/s, speculation
-acceptance, and every eval/... metric. Default --out: plot.png next to the first file.
+acceptance, and every eval/... figure (not the evaluation's bookkeeping: its size, version, time, failures).
+Default --out: plot.png next to the first file.
 Test: pytest tests/tools/test_timeline.py
 """
 
@@ -48,8 +49,12 @@ def load(path: str | Path) -> list[dict]:
     return [r for r in records if isinstance(r.get("step"), int)]
 
 
+EVAL_BOOKKEEPING = ("eval/num_prompts", "eval/policy_version", "eval/seconds", "eval/samples_failed")
+
+
 def _panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[tuple[str, Series]]]]:
-    evals = sorted({k for _, records in runs for r in records for k in r if k.startswith("eval/")})
+    evals = sorted({k for _, records in runs for r in records for k in r
+                    if k.startswith("eval/") and k not in EVAL_BOOKKEEPING})
     panels = PANELS + [(k, [("", _key(k))]) for k in evals]
     return [p for p in panels if any(fn(r) is not None for _, records in runs for r in records for _, fn in p[1])]
 

@@ -140,6 +140,8 @@ class GeneratorService:
         self.samples_sent = 0
         self.tokens_sent = 0
         self.items_rejected = 0
+        self.eval_samples: dict[int, int] = {}  # eval group id -> its samples not yet sent (Rollout.eval)
+        self.eval_sent = 0
         self.started_s = time.monotonic()
         self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
 
@@ -254,11 +256,24 @@ class GeneratorService:
         empty_i, empty_f = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.float32)
         prompt = torch.tensor(item.prompt_token_ids, dtype=torch.int32)
         version = self.backend.policy_version
+        self._sent_eval(item.group_id, item.num_samples)
         return [m.Rollout(group_id=item.group_id, sample_id=item.first_sample_id + i, prompt_token_ids=prompt,
                           completion_token_ids=empty_i, behaviour_logprobs=empty_f, policy_versions=empty_i,
                           min_policy_version=version, max_policy_version=version, finish_reason="error",
-                          finished_wall_s=time.time())
+                          finished_wall_s=time.time(), eval=item.eval)
                 for i in range(item.num_samples)]
+
+    def _sent_eval(self, group_id: int, num: int) -> bool:
+        """Whether the group is eval work; counts `num` of its samples as sent."""
+        left = self.eval_samples.get(group_id)
+        if left is None:
+            return False
+        if left > num:
+            self.eval_samples[group_id] = left - num
+        else:
+            del self.eval_samples[group_id]
+        self.eval_sent += num
+        return True
 
     async def send_rollout(self, done: Any) -> None:
         if done.finish_reason == "cancelled":
@@ -271,7 +286,7 @@ class GeneratorService:
                         behaviour_logprobs=done.behaviour_logprobs, policy_versions=versions,
                         min_policy_version=int(versions.min()), max_policy_version=int(versions.max()),
                         finish_reason=done.finish_reason, queue_s=done.queue_s, decode_s=done.decode_s,
-                        finished_wall_s=time.time())
+                        finished_wall_s=time.time(), eval=self._sent_eval(done.group_id, 1))
         await self.client.send(msg)
         self.samples_sent += 1
         self.tokens_sent += len(done.completion_ids)
@@ -285,6 +300,9 @@ class GeneratorService:
                 self.state.request_outstanding = False
                 self.state.exhausted = msg.exhausted
                 self.state.pending_items.extend(msg.items)
+                for item in msg.items:
+                    if item.eval:  # its Rollouts say eval too
+                        self.eval_samples[item.group_id] = self.eval_samples.get(item.group_id, 0) + item.num_samples
                 if msg.exhausted:  # ask again later: a dead peer's work may be re-dispatched
                     asyncio.get_running_loop().call_later(EXHAUSTED_RETRY_S, self.retry_work)
             elif isinstance(msg, m.Cancel):
@@ -292,6 +310,8 @@ class GeneratorService:
                 self.state.pending_items = collections.deque(
                     i for i in self.state.pending_items if i.group_id not in groups)
                 self.state.cancel_groups |= groups  # the backend may be mid-step in its thread
+                for group_id in groups:
+                    self.eval_samples.pop(group_id, None)
             elif isinstance(msg, m.WeightsNotice):
                 await (self.on_drafter_notice(msg) if msg.model == "drafter" else self.on_notice(msg))
             elif isinstance(msg, m.WeightsChunk):
@@ -412,6 +432,7 @@ class GeneratorService:
             "generator/time/busy_s": b.prefill_s + b.decode_s,
             "generator/time/wall_s": elapsed,
             "generator/work/items_rejected": self.items_rejected,
+            "generator/eval/samples_sent": self.eval_sent,
             "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
         }
         if self.spot is not None:

@@ -275,7 +275,9 @@ class _Replay:
             tensors.append(loss)
             grads.append(torch.ones_like(loss))
         for out, leaf in zip(outputs, o.leaves, strict=True):
-            if leaf.grad is not None:
+            # Keys/values that no trainable parameter reaches (frozen layers below LoRA adapters, e.g. the
+            # first layer's keys when only q_proj and v_proj adapt) have no graph: nothing to send back.
+            if leaf.grad is not None and out.requires_grad:
                 tensors.append(out)
                 grads.append(leaf.grad.to(out.dtype))
         if tensors:
@@ -309,6 +311,19 @@ def trie_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: i
         if int(trie.seg_num_children_S[seg]):
             path.append((seg, list(zip(keys, values, strict=True))))
     return out
+
+
+def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int) -> list[torch.Tensor]:
+    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd."""
+    if not samples:
+        return []
+    trie = build_trie(samples)
+    rows = trie_logprobs(model, decoder_spec(model), trie, chunk_rows)
+    lengths = [s.num_completion_tokens for s in samples]
+    offsets_S = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
+    flat = torch.zeros(sum(lengths), dtype=torch.float64)
+    flat[offsets_S[trie.row_sample_R] + trie.row_pos_R] = rows
+    return list(flat.split(lengths))
 
 
 def prepare(model: nn.Module, samples: Sequence[TrainSample], loss_fn, chunk_rows: int) -> tuple[DecoderSpec, Trie]:

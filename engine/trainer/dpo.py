@@ -64,6 +64,8 @@ class DPOLearner(Learner):
             raise ValueError("train.replay: dpo runs on the shared-prefix modes auto, replay or packed")
         if dist.world_size() > 1:
             raise ValueError("train.algorithm: dpo runs on one rank")
+        if (config.ppo_epochs, config.minibatches) != (1, 1):
+            raise ValueError("train.ppo_epochs, train.minibatches: dpo takes one optimizer step per batch of pairs")
         super().__init__(model, config, ref_model=copy.deepcopy(model) if ref_model is None else ref_model)
         self.beta = beta
 

@@ -1,9 +1,9 @@
-"""The learner: one optimizer step per batch of scored samples, over a Hugging Face causal LM.
+"""The learner: one step (one policy version) per batch of scored samples, over a Hugging Face causal LM.
 
-    step(batch) -> advantages (GRPO, when given groups) -> whole groups to ranks by cost -> [gathered
-    FSDP units] forward/backward strategy (every completion token once, step-wide loss normaliser) ->
-    zero-weight unit that reduce-scatters the summed gradients -> clip -> AdamW -> LR schedule ->
-    policy_version + 1 -> metrics
+    step(batch) -> advantages (GRPO, when given groups) -> minibatches of whole groups (ppo.py) -> per
+    epoch, per minibatch: its whole groups to ranks by cost -> [gathered FSDP units] forward/backward
+    strategy (every completion token once, the minibatch's loss normaliser) -> zero-weight unit that
+    reduce-scatters the summed gradients -> clip -> AdamW;  then LR schedule -> policy_version + 1 -> metrics
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
 micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
@@ -24,13 +24,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from tailrace.engine.config import FSDPConfig
+from tailrace.engine.config import FSDPConfig, LoRAConfig
 from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.models import run_as_forward
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
+from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.samples import Group, TrainSample, flatten_samples
-from tailrace.engine.trainer import dist
+from tailrace.engine.trainer import dist, lora, ppo
 from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
 from tailrace.kernels.logprobs import chunked_logprobs
 
@@ -46,6 +47,9 @@ class LearnerConfig:
     warmup_steps of linear warmup precede any of them. micro_batch_tokens: padded tokens (rows x longest
     row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
     replay: forward/backward strategy, a key of STRATEGIES. fsdp: sharding under torchrun (dist.shard_model).
+    lora: r > 0 trains low-rank adapters only (engine/trainer/lora.py).
+    ppo_epochs, minibatches: passes over a step's batch and optimizer updates per pass (engine/trainer/ppo.py).
+    gradient_checkpointing: recompute each decoder layer's activations in backward, whatever the strategy.
     """
 
     lr: float = 1e-6
@@ -62,8 +66,12 @@ class LearnerConfig:
     log_entropy: bool = True
     replay: str = "naive"
     seed: int = 0
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    gradient_checkpointing: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # TOML gives lists
@@ -86,6 +94,8 @@ class LearnerConfig:
             raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
             raise ValueError("micro_batch_tokens, logprob_chunk_tokens: must be >= 1")
+        if self.ppo_epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"ppo_epochs, minibatches: must be >= 1, got {self.ppo_epochs}, {self.minibatches}")
 
 
 @dataclass
@@ -345,7 +355,8 @@ class Learner:
             raise ValueError("loss.kl_coef: > 0 needs a reference model")
         _check_plain_lm_head(model)
         seed_everything(config.seed)
-        self.model = dist.shard_model(model, config.fsdp)
+        self.lora = lora.attach(model, config.lora)  # a PeftModel or None
+        self.model = dist.shard_model(model, config.fsdp, checkpointing=config.gradient_checkpointing)
         self.config = config
         self.ref_model = ref_model
         if ref_model is not None:
@@ -377,8 +388,10 @@ class Learner:
         still being generated; step() then runs only the others and the optimizer step. The gradient is the
         same: the step-wide normaliser is a scalar factor, so the increments are summed unnormalised
         (normaliser 1) and scaled once all are in. Returns False (nothing done) on several ranks, where every
-        rank must run the same calls: there the whole step runs in step()."""
-        if dist.world_size() > 1 or dist.fsdp_modules(self.model) or not groups:
+        rank must run the same calls, and with several passes or updates per step (ppo_epochs, minibatches):
+        there the whole step runs in step()."""
+        if dist.world_size() > 1 or dist.fsdp_modules(self.model) or not groups or \
+                self.config.ppo_epochs > 1 or self.config.minibatches > 1:
             return False
         assign_advantages(groups, self.config.loss)
         if not self._accumulated:
@@ -391,9 +404,10 @@ class Learner:
         return True
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on a batch. Groups get GRPO advantages from their rewards; bare samples are
-        trained with the advantage they carry. Groups already run by accumulate() (by group id) are not
-        run again. Returns metrics named trainer/<group>/<name>."""
+        """One step on a batch: train.ppo_epochs passes of train.minibatches optimizer updates each
+        (engine/trainer/ppo.py), one policy version. Groups get GRPO advantages from their rewards; bare
+        samples are trained with the advantage they carry. Groups already run by accumulate() (by group id)
+        are not run again (one pass, one update). Returns metrics named trainer/<group>/<name>."""
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
@@ -403,35 +417,70 @@ class Learner:
             raise ValueError("batch: it lacks groups that accumulate() already ran for this step")
         rest = [u for u in batch if not (isinstance(u, Group) and u.group_id in self._accumulated)]
         assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
-        # Every rank holds the whole batch, so this normaliser is the step-wide logical count on each.
-        normaliser = LossNormaliser.from_samples(samples)
-        mine = flatten_samples(dist.shard(rest, self._unit_cost, dist.rank(), dist.world_size()))
-
-        self.model.train()
-        if done:  # the increments were summed with normaliser 1: bring them to this step's normaliser
-            scale = float(normaliser.token_weights(torch.ones(1), self.config.loss.aggregation)[0])
-            self._accumulated_stats = _scaled_loss_stats(self._accumulated_stats, scale)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        stats = self._forward_backward(mine, normaliser)
-        add_stats(stats, self._accumulated_stats)
-        self._accumulated, self._accumulated_stats = set(), {}
-        stats = dist.all_reduce_stats_(stats)
+        parts = [batch] if done else ppo.split_minibatches(batch, self.config.minibatches)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
-        update = self.apply_gradients()
+        epoch_stats, updates = self._finish_accumulated(samples, rest) if done else self._passes(parts)
+        num_updates = len(updates)
+        stats = ppo.step_stats(epoch_stats, num_updates)
 
         metrics = finalize_metrics(stats)
-        metrics.update(_batch_metrics(samples, normaliser, staleness, stats))
+        metrics.update(_batch_metrics(samples, LossNormaliser.from_samples(samples), staleness, stats))
         # A strategy's own counts (e.g. unique tokens under branch-replay) pass through by name.
         metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
                         if k not in STAT_KEYS and k != "padded_tokens"})
-        metrics.update(update)
+        metrics.update(ppo.epoch_metrics(epoch_stats))
+        metrics.update(ppo.update_metrics(updates))
+        metrics["trainer/ppo/minibatches"] = float(len(parts))
         metrics["trainer/accumulated_groups"] = float(len(done))
+        metrics.update(self._count_step())
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics
+
+    def _passes(self, parts: list[list]) -> tuple[list[dict[str, torch.Tensor]], list[tuple[float, bool]]]:
+        """Every epoch's forward/backward and update of every part; per epoch its summed statistics (all
+        ranks), and each update's (gradient norm, skipped)."""
+        # Every rank holds the whole batch, so each part's normaliser is its step-wide logical count on each.
+        normalisers = [LossNormaliser.from_samples(flatten_samples(part)) for part in parts]
+        mine = [flatten_samples(dist.shard(part, self._unit_cost, dist.rank(), dist.world_size())) for part in parts]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        ref = ppo.split_like(self._ref_logprobs([s for part in mine for s in part]), mine)
+        # Proximal log-probs (ppo.py): None is the current policy; the first part's first pass runs the step's
+        # starting policy and records them, the other parts' come from a forward before the first update.
+        prox: list[list | None] = [None] * len(parts)
+        epoch_stats, updates = [], []
+        for epoch in range(self.config.ppo_epochs):
+            stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
+            for i in range(len(parts)):
+                first = epoch == 0 and i == 0
+                with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
+                    if first and len(parts) > 1:
+                        prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
+                    if mine[i]:
+                        loss_fn = StepLoss(mine[i], self.config.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
+                        if first and self.config.ppo_epochs > 1:
+                            loss_fn = ppo.RecordingLoss(loss_fn)
+                        add_stats(stats, self.forward_backward(self.model, mine[i], loss_fn, normalisers[i]))
+                        if isinstance(loss_fn, ppo.RecordingLoss):
+                            prox[0] = loss_fn.per_sample()
+                    dist.reduce_gradients(self.model, self._zero_weight_loss)
+                updates.append(self._update())
+            epoch_stats.append(stats)
+        return ppo.reduce_epochs(epoch_stats), updates
+
+    def _finish_accumulated(self, samples: list[TrainSample], rest: list) -> tuple[list, list]:
+        """The step's single pass when accumulate() ran some of its groups: their gradient brought to the
+        step's normaliser, the rest's forward/backward added, one update (as _passes returns them)."""
+        normaliser = LossNormaliser.from_samples(samples)
+        scale = float(normaliser.token_weights(torch.ones(1), self.config.loss.aggregation)[0])
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        self.model.train()
+        stats = self._forward_backward(flatten_samples(rest), normaliser)
+        add_stats(stats, _scaled_loss_stats(self._accumulated_stats, scale))
+        self._accumulated, self._accumulated_stats = set(), {}
+        return ppo.reduce_epochs([stats]), [self._update()]
 
     def _forward_backward(self, mine: list[TrainSample], normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
         """This rank's samples' forward/backward (gradients add up in .grad) and summed statistics."""
@@ -461,16 +510,24 @@ class Learner:
         return logp_N.sum() * 0.0
 
     def apply_gradients(self) -> dict[str, float]:
-        """Clip the (reduced) gradients, AdamW, LR schedule, count the step; its metrics."""
+        """One update that is the whole step (DPO): clip, AdamW, LR schedule, count the step; its metrics."""
+        return ppo.update_metrics([self._update()]) | self._count_step()
+
+    def _update(self) -> tuple[float, bool]:
+        """Clip the (reduced) gradients, AdamW, zero them; (gradient norm before clipping, skipped)."""
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         grad_norm = _clip_grad_norm(self.params, max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
         # A non-finite gradient would poison the weights and Adam's moments for good: skip the update,
         # but keep the step count so schedule, versions and data position stay aligned.
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    def _count_step(self) -> dict[str, float]:
+        """After a step's updates: the LR schedule moves and policy_version counts once per step."""
+        lr = self.optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():
             # LambdaLR warns when the optimizer did not step, which is exactly the skipped case.
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
@@ -481,9 +538,16 @@ class Learner:
             "trainer/step": float(self.step_count),
             "trainer/policy_version": float(self.policy_version),
             "trainer/lr": lr,
-            "trainer/grad/norm": grad_norm,
-            "trainer/grad/skipped": float(skipped),
         }
+
+    def _policy_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """The current policy's per-sample log-probs without autograd, by the strategy's kind of forward
+        (the trie under the shared-prefix modes). Inside gathered(self.model): no collectives of its own."""
+        chunk = self.config.logprob_chunk_tokens
+        if self.config.replay == "naive":
+            return sample_logprobs(self.model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
+                                   chunk_rows=chunk)
+        return replay_sample_logprobs(self.model, samples, chunk)
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
         """Every rank calls this (the sharded reference model is gathered once, whatever its share)."""
@@ -497,10 +561,14 @@ class Learner:
         """CPU copy of the weights (name -> tensor) that later optimizer steps cannot change.
 
         Tied parameters (embedding and LM head) keep both names but share one copy. Under torchrun every
-        rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict.
+        rank calls this: rank 0 gets the gathered full weights, the other ranks an empty dict. With LoRA: the
+        merged weights, by the base model's names.
         """
         if dist.world_size() > 1:
-            return dist.gather_full_state_dict(self.model)
+            full = dist.gather_full_state_dict(self.model)
+            return lora.merge(full, lora.scalings(self.model)) if self.lora is not None and full else full
+        if self.lora is not None:
+            return lora.merge(lora.local_state_dict(self.model), lora.scalings(self.model))
         out: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():

@@ -91,7 +91,7 @@ def assign_advantages(groups: Sequence[Group], config: LossConfig) -> None:
 
 # Keys of the summed statistics. Each is a sum over rows, so statistics of micro-batches and of ranks add.
 STAT_KEYS = ("loss_pg", "loss_kl", "loss", "tokens", "clipped", "is_weight", "truncated", "kl_behaviour",
-             "kl_ref", "entropy", "entropy_tokens")
+             "kl_ref", "entropy", "entropy_tokens", "ratio_dev", "ratio_dev_sq")
 
 
 def policy_loss(
@@ -142,6 +142,7 @@ def policy_loss(
 
     with torch.no_grad():
         lr_behaviour = logp_N.detach() - behaviour
+        ratio_dev = ratio.detach() - 1.0  # moments of r - 1, not of r: no cancellation when r is near 1
         stats = {
             "loss_pg": loss_pg.detach(),
             "loss_kl": loss_kl.detach(),
@@ -155,6 +156,8 @@ def policy_loss(
             "kl_ref": kl_tok.detach().sum() if kl_tok is not None else torch.zeros(()),
             "entropy": entropy_N.detach().sum() if entropy_N is not None else torch.zeros(()),
             "entropy_tokens": torch.tensor(float(entropy_N.numel() if entropy_N is not None else 0)),
+            "ratio_dev": ratio_dev.sum(),
+            "ratio_dev_sq": ratio_dev.square().sum(),
         }
     return loss, {k: v.to(device="cpu", dtype=torch.float64) for k, v in stats.items()}
 
@@ -173,6 +176,9 @@ def finalize_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         # k3 estimate of KL(behaviour || current): staleness plus generator/trainer numerics.
         "trainer/policy/approx_kl": s["kl_behaviour"] / tokens,
         "trainer/policy/kl_ref": s["kl_ref"] / tokens,
+        # The PPO ratio current / proximal: exactly 1 with one pass per step (ppo.py).
+        "trainer/policy/ratio_mean": 1.0 + s["ratio_dev"] / tokens,
+        "trainer/policy/ratio_std": math.sqrt(max(s["ratio_dev_sq"] / tokens - (s["ratio_dev"] / tokens) ** 2, 0.0)),
     }
     if s["entropy_tokens"] > 0:
         out["trainer/policy/entropy"] = s["entropy"] / s["entropy_tokens"]

@@ -25,7 +25,8 @@ def learner_config(cfg: RunConfig) -> LearnerConfig:
     return LearnerConfig(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                          lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
                          micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss,
-                         fsdp=t.fsdp)
+                         fsdp=t.fsdp, lora=cfg.model.lora, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
+                         gradient_checkpointing=t.gradient_checkpointing)
 
 
 def make_run_dir(cfg: RunConfig, resume: bool) -> Path:

@@ -4,6 +4,7 @@ reward functions (engine/tasks.py) for the rest.
     reward.mode = "auto":    a server that scores the task if one is attached, else the built-in function
     reward.mode = "servers": only servers
     reward.mode = "builtin": only built-in functions
+    reward.functions set:    only servers (the one that serves their weighted sum), whatever reward.mode
 A completion only a server can score waits up to reward.wait_for_server_s for one, also when its server
 leaves mid-request (a restarted server takes over); `waiting` counts them per task for the watchdog.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +50,9 @@ class RewardDispatcher:
             from tailrace.engine.tasks import REWARD_FNS
 
             builtin = REWARD_FNS
-        self.builtin = builtin if cfg.mode != "servers" else {}
+        # reward.functions run on a reward server: a built-in function scoring a task before that server
+        # attaches would mix two different rewards in one run
+        self.builtin = builtin if cfg.mode != "servers" and not cfg.functions else {}
         self.num_scored = {"server": 0, "builtin": 0}
         self.waiting: collections.Counter[str] = collections.Counter()  # task -> completions waiting for a server
 
@@ -124,6 +128,20 @@ class RewardDispatcher:
         except RewardUnavailable as exc:
             raise ServerGone(str(exc)) from exc
         return _check_reward(score.reward)[0], dict(score.details)
+
+
+def reward_detail_metrics(groups: list[Any]) -> dict[str, float]:
+    """trainer/reward/details/<key> (mean) and <key>_count over the samples of a step whose reward
+    function returned that key."""
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for sample in (s for g in groups for s in g.samples):
+        for key, value in sample.reward_details.items():
+            values[key].append(value)
+    out: dict[str, float] = {}
+    for key, vs in sorted(values.items()):
+        out[f"trainer/reward/details/{key}"] = statistics.fmean(vs)
+        out[f"trainer/reward/details/{key}_count"] = len(vs)
+    return out
 
 
 def _check_reward(reward: Any) -> tuple[float, dict[str, float]]:

@@ -11,7 +11,7 @@
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
 Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/drafters.py, which checks,
-fetches and republishes them.
+fetches and republishes them. Evaluation (eval.every_steps): engine/trainer/evaluation.py.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
 protocol; the other ranks follow it (engine/trainer/ranks.py). Test: pytest tests/engine/test_end_to_end.py
@@ -40,10 +40,11 @@ from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, early, loop_probe, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
+from tailrace.engine.trainer.evaluation import Evaluator
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
-from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
+from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed, reward_detail_metrics
 from tailrace.engine.trainer.trace import TraceLog
 from tailrace.engine.weights import WeightsStore
 from tailrace.protocol import messages as m
@@ -62,20 +63,6 @@ MAX_BODY_BYTES = 256 << 10  # bodies sent to the trainer are small (tensors trav
 LearnerFactory = Callable[..., Learner]
 """Called as Learner is, (model, LearnerConfig, ref_model=...): the service takes one, so that a benchmark
 can put modelled compute there (tools/benches/modelled.py)."""
-
-
-def reward_detail_metrics(groups: list[Any]) -> dict[str, float]:
-    """trainer/reward/details/<key> (mean) and <key>_count over the samples of a step whose reward
-    function returned that key."""
-    values: dict[str, list[float]] = collections.defaultdict(list)
-    for sample in (s for g in groups for s in g.samples):
-        for key, value in sample.reward_details.items():
-            values[key].append(value)
-    out: dict[str, float] = {}
-    for key, vs in sorted(values.items()):
-        out[f"trainer/reward/details/{key}"] = statistics.fmean(vs)
-        out[f"trainer/reward/details/{key}_count"] = len(vs)
-    return out
 
 
 class TrainerService:
@@ -108,8 +95,10 @@ class TrainerService:
         if max_prompt < 1:
             raise ValueError(f"sampling.max_new_tokens {cfg.sampling.max_new_tokens} leaves no room for a "
                              f"prompt in the model's context of {self.max_model_len} tokens")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.evaluator = Evaluator(cfg, self.tokenizer, max_prompt, self.counters)  # its prompts: never trained
         self.source = PromptSource(cfg.data, self.tokenizer, max_prompt_tokens=max_prompt,
-                                   position=position.get("prompts_consumed", 0))
+                                   position=position.get("prompts_consumed", 0), held_out=self.evaluator.held_out)
         self.controller = Controller(self.source, group_size=cfg.sampling.group_size,
                                      groups_per_step=cfg.train.groups_per_step,
                                      max_staleness=cfg.controller.max_staleness,
@@ -125,7 +114,6 @@ class TrainerService:
         self.step_rewards: list[float] = counters.get("step_rewards", [])
         self.wall_s_before = counters.get("wall_s", 0.0)
         self.store = WeightsStore(cfg.trainer.weights_chunk_bytes)
-        self.counters: collections.Counter[str] = collections.Counter()
         self.drafters = DrafterRelay(self.store, self.counters, model if cfg.trainer.accept_drafters else None)
         if resume_from is not None:
             self.drafters.restore(resume_from)
@@ -274,10 +262,12 @@ class TrainerService:
             "trainer/policy_version": self.learner.policy_version,
             "trainer/data/epochs_done": self.source.epochs_done,
         } | reward_detail_metrics(groups) | self.controller.stats()
-        self.sink.log(self.learner.step_count, metrics)
         self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
         await self.publish_weights()
+        if self.evaluator.due(self.learner.step_count):  # engine/trainer/evaluation.py: waits for it
+            metrics |= await self.evaluator.run(self, self.learner.step_count)
+        self.sink.log(self.learner.step_count, metrics)
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
             await self.save_checkpoint_off_loop()
@@ -327,6 +317,7 @@ class TrainerService:
         self.peer_stats.pop(peer.name, None)
         if peer.role == "generator":
             requeued = self.controller.on_generator_dead(peer.name)
+            self.evaluator.on_generator_dead(peer.name)
             lost = sum(r.num_samples for r in requeued)
             if lost:
                 log.warning("generator %s %s with %d samples in flight: re-dispatching them", peer.name, event, lost)
@@ -349,9 +340,11 @@ class TrainerService:
         return min(LEASE_CEILING_S, max(LEASE_FLOOR_S, LEASE_MARGIN * expected_s))
 
     async def answer_work(self, peer: Any, capacity: int) -> None:
-        decision = self.controller.request_work(peer.name, capacity, now=time.monotonic(),
-                                                lease_s=self.lease_s(peer.name))
-        if decision is None:
+        evals = self.evaluator.take(peer.name, capacity)  # first: the train loop waits for its evaluation
+        room = capacity - sum(item.num_samples for item in evals)
+        decision = self.controller.request_work(peer.name, room, now=time.monotonic(),
+                                                lease_s=self.lease_s(peer.name)) if room or not evals else None
+        if decision is None and not evals:
             self.parked[peer.id] = capacity
             return
         s = self.cfg.sampling
@@ -362,8 +355,9 @@ class TrainerService:
         items = [m.WorkItem(group_id=r.group_id, prompt_token_ids=prompt.token_ids, num_samples=r.num_samples,
                             first_sample_id=r.first_sample_id, sampling=sampling, task=prompt.task,
                             min_policy_version=version)
-                 for prompt, r, version in decision.items]
-        await self.server.send(peer.id, m.Work(items=items, exhausted=decision.exhausted))
+                 for prompt, r, version in (decision.items if decision else [])]
+        exhausted = decision is not None and decision.exhausted
+        await self.server.send(peer.id, m.Work(items=evals + items, exhausted=exhausted))
 
     async def serve_parked(self) -> None:
         for peer_id, capacity in list(self.parked.items()):
@@ -371,11 +365,13 @@ class TrainerService:
             if peer is None:
                 self.parked.pop(peer_id, None)
                 continue
-            if self.controller.request_work_possible():
+            if self.controller.request_work_possible() or self.evaluator.has_work():
                 del self.parked[peer_id]
                 await self.answer_work(peer, capacity)
 
     async def on_rollout(self, peer: Any, msg: m.Rollout) -> None:
+        if msg.eval:
+            return self.evaluator.on_rollout(self, peer, msg)
         reason = self.controller.check_rollout(peer.name, msg.group_id, msg.sample_id)
         if reason is not None:
             self.counters[f"rollouts_dropped/{reason}"] += 1
@@ -584,6 +580,7 @@ class TrainerService:
                                  for name, st in self.last_generator_stats.items()},
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
+            "eval": self.evaluator.summary(),
         }
 
     def finish(self) -> dict[str, Any]:

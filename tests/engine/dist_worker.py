@@ -76,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-precision", default="auto")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers; 0 = full model")
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--minibatches", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from tailrace.engine.config import FSDPConfig
+    from tailrace.engine.config import FSDPConfig, LoRAConfig
     from tailrace.engine.trainer import checkpoint, dist
     from tailrace.engine.trainer.learner import Learner, LearnerConfig
     from tailrace.engine.trainer.loss import LossConfig
@@ -89,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                            lr_schedule="linear", total_steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
                            loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s,
                                                                          mixed_precision=args.mixed_precision,
-                                                                         activation_checkpointing=args.activation_checkpointing,
-                                                                         cpu_offload=args.cpu_offload))
+                                                                         cpu_offload=args.cpu_offload),
+                           lora=LoRAConfig(r=args.lora, target_modules=("all-linear",)),
+                           gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
+                           minibatches=args.minibatches)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config)

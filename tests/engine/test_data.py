@@ -1,11 +1,14 @@
-"""Prompt sources: synthetic stream with a resumable position, JSONL rows, prompts too long skipped."""
+"""Prompt sources: synthetic stream with a resumable position, JSONL rows, prompts too long skipped,
+hf:NAME[[:CONFIG]:SPLIT] sources (datasets faked, and a real local folder when datasets is installed)."""
 
 import json
+import sys
+import types
 
 import pytest
 
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data import PromptSource
+from tailrace.engine.data import PromptSource, parse_hf_source
 
 
 class CharTokenizer:
@@ -77,3 +80,60 @@ def test_shuffled_epochs_differ_follow_the_seed_and_resume_inside_an_epoch(tmp_p
 def test_data_epochs_must_be_positive():
     with pytest.raises(ValueError, match="data.epochs"):
         DataConfig(epochs=0)
+
+
+# ---------------------------------------------------------------------------------------- hf:NAME[:CONFIG]:SPLIT
+
+
+@pytest.mark.parametrize("source, parsed", [
+    ("hf:openai/gsm8k", ("openai/gsm8k", None, "train")),
+    ("hf:openai/gsm8k:test", ("openai/gsm8k", None, "test")),
+    ("hf:openai/gsm8k:main:train", ("openai/gsm8k", "main", "train")),
+    ("hf:/data/my set:socratic:test[:10]", ("/data/my set", "socratic", "test[:10]")),
+    ("hf:openai/gsm8k:test[10%:20%]", ("openai/gsm8k", None, "test[10%:20%]")),
+])
+def test_hf_sources_name_config_and_split(source, parsed):
+    assert parse_hf_source(source) == parsed
+
+
+@pytest.mark.parametrize("source", ["hf:", "hf:a::train", "hf:a:b:c:d", "hf:a:", "hf::train", "hf:a[:5]", "hf:a:train[:5"])
+def test_bad_hf_sources_show_the_grammar(source):
+    with pytest.raises(ValueError, match="data.source: .* is not hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT"):
+        parse_hf_source(source)
+
+
+def test_hf_sources_pass_config_and_split_to_load_dataset(monkeypatch):
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [{"question": "q0", "answer": "a0"}, {"question": "q1", "answer": "a1"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    cfg = DataConfig(source="hf:openai/gsm8k:main:train", prompt_field="question")
+    got = list(PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100))
+    assert [p.text for p in got] == ["q0", "q1"] and got[1].metadata["answer"] == "a1"
+    PromptSource(DataConfig(source="hf:openai/gsm8k:test", prompt_field="question"), CharTokenizer(),
+                 max_prompt_tokens=100)
+    assert calls == [(("openai/gsm8k", "main"), {"split": "train"}), (("openai/gsm8k",), {"split": "test"})]
+
+
+def test_a_local_dataset_folder_with_configs_loads_like_the_hub_one(tmp_path):
+    pytest.importorskip("datasets")
+    pytest.importorskip("pyarrow")
+    # gsm8k's layout on the Hub: one folder per config, declared in the README's YAML header.
+    folder = tmp_path / "gsm8k"
+    for config in ("main", "socratic"):
+        (folder / config).mkdir(parents=True)
+        for split, n in (("train", 3), ("test", 2)):
+            (folder / config / f"{split}.jsonl").write_text("".join(
+                json.dumps({"question": f"{config} {split} {i}", "answer": f"#### {i}"}) + "\n" for i in range(n)))
+    header = "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+                     f"  - split: test\n    path: {c}/test.jsonl\n" for c in ("main", "socratic"))
+    (folder / "README.md").write_text(f"---\nconfigs:\n{header}---\n")
+    for source, expected in ((f"hf:{folder}:main:train", [f"main train {i}" for i in range(3)]),
+                             (f"hf:{folder}:socratic:test", [f"socratic test {i}" for i in range(2)])):
+        cfg = DataConfig(source=source, prompt_field="question", shuffle=True, epochs=2)
+        got = list(PromptSource(cfg, CharTokenizer(), max_prompt_tokens=100))
+        assert sorted(p.text for p in got[:len(expected)]) == expected and len(got) == 2 * len(expected)
+        assert {p.metadata["answer"] for p in got} == {f"#### {i}" for i in range(len(expected))}

@@ -114,6 +114,21 @@ def test_two_ranks_equal_one_rank_float64(tmp_path, replay, checkpointing):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("replay", ["naive", "replay"])
+def test_two_ranks_equal_one_rank_with_ppo_epochs_and_minibatches(tmp_path, replay):
+    """2 epochs x 2 minibatches of whole groups per step, proximal log-probs per rank: 2 ranks == 1 rank
+    (the last batch's one group leaves rank 1 without samples in every pass)."""
+    args = ("--replay", replay, "--ppo-epochs", "2", "--minibatches", "2")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, nproc=2)
+    plain = _train(tmp_path, "plain", "--replay", replay, nproc=1)
+    assert _max_rel_err(plain["steps"][0], one["steps"][0]) > 1e-6  # four updates, not one
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-10)
+
+
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_float32(tmp_path):
     # A larger adam_eps keeps Adam's update a smooth function of the gradient: with eps = 1e-8 an element
     # whose gradient is at float32 rounding level moves by +-lr either way, whatever the ranks do.
@@ -188,3 +203,30 @@ def test_two_gpu_ranks_with_nccl_equal_one(tmp_path):
     offload = _train(tmp_path, "offload", *args, "--cpu-offload", nproc=2)
     for a, b in zip(one["steps"], offload["steps"], strict=True):
         assert _max_rel_err(a, b) < 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_resumes_on_one(tmp_path):
+    """LoRA on every linear layer, replay, float64: the served (merged) weights of 2 ranks == 1 rank; the
+    checkpoint of step 2 on 2 ranks holds the merged model and an adapter that peft loads, and resumes on
+    1 rank to the uninterrupted run."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    one = _train(tmp_path, "one", "--lora", "4", nproc=1)
+    two = _train(tmp_path, "two", "--lora", "4", "--save-at", "2", "--ckpt", str(tmp_path / "ck2"), nproc=2)
+    base = _load_worker().tiny_model("qwen2", torch.float64).state_dict()
+    assert sorted(one["initial"]) == sorted(base)  # the base model's names, merged: no adapter tensors
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert _max_rel_err(base, one["steps"][-1]) > 1e-6  # the adapters moved the merged weights
+    folder = tmp_path / "ck2" / "step_000002"
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    assert _max_rel_err(two["steps"][1], {k: v for k, v in exported.state_dict().items() if k in base}) < 1e-15
+    ids = torch.arange(20).reshape(2, 10)
+    adapted = PeftModel.from_pretrained(_load_worker().tiny_model("qwen2", torch.float64), folder / "adapter")
+    with torch.no_grad():
+        want, got = exported.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-12
+    resumed = _train(tmp_path, "resumed1", "--lora", "4", "--resume", str(folder), nproc=1)
+    assert _max_rel_err(one["steps"][-1], resumed["steps"][-1]) < 1e-10

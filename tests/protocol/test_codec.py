@@ -300,23 +300,23 @@ def test_error_carries_the_field_path():
 
 
 @pytest.mark.parametrize("frames, code, where", [
-    ([b"TR\x01"], ErrorCode.BAD_FRAME, "message has 1 frames"),
-    ([b"TR\x01", b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
-    ([b"TR\x01\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([b"TR\x02"], ErrorCode.BAD_FRAME, "message has 1 frames"),
+    ([b"TR\x02", b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([b"TR\x02\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
     ([b"", b"\x91\x01"], ErrorCode.BAD_FRAME, "header"),
-    ([b"XX\x01\x3c", b"\x91\x01"], ErrorCode.BAD_FRAME, "starting with b'TR'"),
-    ([b"TR\x02\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 2"),
+    ([b"XX\x02\x3c", b"\x91\x01"], ErrorCode.BAD_FRAME, "starting with b'TR'"),
+    ([b"TR\x03\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 3"),
     ([b"TR\x00\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 0"),
-    ([b"TR\x01\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
-    ([b"TR\x01\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
-    ([b"TR\x01\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x01\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x01\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x01\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x01\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
-    ([b"TR\x01\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
-    ([b"TR\x01\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
-    ([b"TR\x01\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
+    ([b"TR\x02\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
+    ([b"TR\x02\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
+    ([b"TR\x02\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([b"TR\x02\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([b"TR\x02\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([b"TR\x02\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([b"TR\x02\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
+    ([b"TR\x02\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
+    ([b"TR\x02\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
+    ([b"TR\x02\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_frames(frames, code, where):
     expect(frames, code, where)
@@ -366,9 +366,9 @@ def test_size_limits():
 
 
 def test_peek_header_reads_only_frame_zero():
-    assert peek_header(b"TR\x01\x14") == (1, 20)
+    assert peek_header(b"TR\x02\x14") == (2, 20)
     assert peek_header(zmq.Frame(b"TR\x07\xff")) == (7, 255)  # any version and kind: the caller decides
-    for bad in (b"TR\x01", b"tr\x01\x14", b"TR\x01\x14\x00"):
+    for bad in (b"TR\x02", b"tr\x02\x14", b"TR\x02\x14\x00"):
         with pytest.raises(ProtocolError) as info:
             peek_header(bad)
         assert info.value.code == ErrorCode.BAD_FRAME

@@ -171,7 +171,7 @@ wire_values = st.recursive(
 @FUZZ
 @given(st.sampled_from(sorted(MESSAGE_CLASSES)), wire_values, st.lists(st.binary(max_size=64), max_size=3))
 def test_random_bodies_raise_only_protocol_error(kind, body, extra):
-    header = b"TR\x01" + bytes((kind,))
+    header = b"TR\x02" + bytes((kind,))
     decode_or_protocol_error([header, msgpack.packb(body), *extra])
 
 
@@ -204,7 +204,7 @@ def test_random_field_values_raise_only_protocol_error(frames):
 @given(st.lists(st.binary(max_size=40), max_size=5))
 def test_random_frames_raise_only_protocol_error(frames):
     decode_or_protocol_error(frames)
-    decode_or_protocol_error([b"TR\x01\x14", *frames])
+    decode_or_protocol_error([b"TR\x02\x14", *frames])
 
 
 def test_numpy_and_torch_inputs_decode_alike():

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 # ------------------------------------------------------------- the reward server, from SPEC.md only
 
-HEADER = b"TR\x01"  # Frames: "TR", protocol version 1, then the kind byte
+HEADER = b"TR\x02"  # Frames: "TR", protocol version 2, then the kind byte
 KINDS = {"Hello": 1, "Welcome": 2, "Reject": 3, "ScoreRequest": 30, "Score": 31, "ScoreError": 32,
          "Heartbeat": 60, "Shutdown": 61, "Error": 62, "Credit": 63}
 
@@ -67,11 +67,11 @@ class SpecRewardServer(threading.Thread):
     def receive(sock):
         frames = sock.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 4 or frames[0][:3] != HEADER:
-            raise AssertionError(f"not a version 1 message without tensors: {frames!r}")
+            raise AssertionError(f"not a version 2 message without tensors: {frames!r}")
         return frames[0][3], msgpack.unpackb(frames[1], raw=False)
 
     def serve(self, sock):
-        self.send(sock, "Hello", ["reward", self.name, 1, "spec-1.0", self.tasks, self.max_inflight])
+        self.send(sock, "Hello", ["reward", self.name, 2, "spec-1.0", self.tasks, self.max_inflight])
         if not sock.poll(5000):
             raise AssertionError("no answer to Hello")
         kind, body = self.receive(sock)

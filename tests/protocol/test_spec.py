@@ -36,7 +36,7 @@ SPEC = Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md"
 WORKED_REQUEST = ScoreRequest(request_id=77, task="copy", prompt="copy: abc\n", completion="abc",
                               metadata={"answer": "abc"}, timeout_s=10.0)
 WORKED_REPLY = Score(request_id=77, reward=1.0, details={"exact": 1.0})
-REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=1, package_version="1.0", tasks=["math"],
+REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=2, package_version="1.0", tasks=["math"],
                      max_inflight=4, capabilities={})
 
 
@@ -234,7 +234,7 @@ def spec_text() -> str:
 
 def test_spec_has_its_title_and_sections():
     text = spec_text()
-    assert text.startswith("# tailrace wire protocol, version 1\n")
+    assert text.startswith("# tailrace wire protocol, version 2\n")
     for title in ("Frames", "Types", "Messages", "Error codes", "Worked example"):
         section(text, title)
 
@@ -292,7 +292,7 @@ def test_reward_server_section_bytes_are_what_the_codec_produces():
     assert said and (int(said[1]), said[2]) == (len(fields) - 1, REWARD_HELLO.__struct_fields__[-1]), \
         "the text must say how many elements the example's body has and which trailing field it omits"
     inline = [[bytes.fromhex(h) for h in pair] for pair in
-              re.findall(r"frame 0 `([0-9a-f ]+)`, frame 1 `([0-9a-f ]+)`|`(54 52 01 3f)` / `([0-9a-f ]+)`", text)
+              re.findall(r"frame 0 `([0-9a-f ]+)`, frame 1 `([0-9a-f ]+)`|`(54 52 02 3f)` / `([0-9a-f ]+)`", text)
               for pair in [[x for x in pair if x]]]
     assert inline == [encode(Heartbeat(seq=3, wall_s=0.0)), encode(Credit(credits=32))]
 

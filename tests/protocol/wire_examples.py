@@ -56,12 +56,12 @@ def examples() -> list[tuple[object, int]]:
     """(message, exact number of frames it encodes to) — every kind at least once."""
     big = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)  # 128 KiB: its own frame
     return [
-        (Hello(role="reward", name="math-grader", protocol_version=1, package_version="0.1.0",
+        (Hello(role="reward", name="math-grader", protocol_version=2, package_version="0.1.0",
                tasks=["math"], max_inflight=16, capabilities={"language": "go", "gpus": 0, "fast": True,
                                                              "ratio": 0.5, "none": None}), 2),
         (Welcome(run_id="r-20261129-1", policy_version=4, credits=64, heartbeat_interval_s=1.0,
                  peer_timeout_s=5.0, notice_endpoint="tcp://127.0.0.1:5556", max_message_bytes=1 << 28), 2),
-        (Reject(code=403, text="protocol version 2 not supported; this trainer speaks 1"), 2),
+        (Reject(code=403, text="protocol version 3 not supported; this trainer speaks 2"), 2),
         (WorkRequest(capacity=16, policy_version=3), 2),
         (Work(items=[WorkItem(group_id=1, prompt_token_ids=[1, 2], num_samples=4),
                      WorkItem(group_id=2, prompt_token_ids=list(range(300)), num_samples=8, first_sample_id=8,

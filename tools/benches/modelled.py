@@ -316,6 +316,8 @@ class ModelledLearner(Learner):
     but never touched."""
 
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, costs: Costs, **kwargs: Any):
+        if (config.ppo_epochs, config.minibatches) != (1, 1):
+            raise ValueError("train.ppo_epochs, train.minibatches: modelled compute models one update per step")
         super().__init__(model, config, **kwargs)
         self.costs = costs
         self._overslept_s = 0.0
