@@ -195,6 +195,7 @@ class TrainConfig:
     minibatches: int = 1  # optimizer updates per pass: the step's groups split into this many parts, whole groups each
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long contexts), every train.replay mode
     replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
+    early_backward: bool = True  # a step's complete groups run their forward/backward while the rest generate; false: a batch barrier
     seed: int = 0  # torch / numpy / python seeds of the trainer
     dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # sharding across trainer ranks

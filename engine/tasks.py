@@ -3,8 +3,10 @@
 The default task, ``reverse``: the prompt is ``rev:<s>=`` where ``<s>`` is a random lowercase string,
 and the answer is ``<s>`` reversed, then EOS (``rev:abcde=`` -> ``edcba``). ``copy`` is the same with
 ``copy:<s>=`` and the answer ``<s>``. The length of ``<s>`` is log-normal (median 6, sigma 0.8, from 1
-to 64 characters), so response lengths are heavy-tailed: p99 is about 6x the median. All samples of a
-group share the prompt, and a policy that has learnt the task shares the first answer characters too.
+to 64 characters), so response lengths are heavy-tailed: p99 is about 6x the median. ``reverse_longtail``
+is ``reverse`` (same prompts, same reward) with median 2, sigma 1.5, up to 128: p99 about 30x the median. All
+samples of a group share the prompt, and a policy that has learnt the task shares the first answer
+characters too.
 
 Rewards lie in [0, 1] with partial credit, so samples of one group differ and GRPO has signal:
 ``1 - levenshtein(completion, answer) / max(len(completion), len(answer))`` — 1.0 only for the exact
@@ -57,11 +59,18 @@ class Prompt:
 class _StringTask:
     prefix: str  # the prompt is f"{prefix}{s}="
     transform: Callable[[str], str]
+    length_median: float = LENGTH_MEDIAN  # of the random string <s>, log-normal
+    length_sigma: float = LENGTH_SIGMA
+    max_length: int = MAX_LENGTH
 
 
 _TASKS: dict[str, _StringTask] = {
     "reverse": _StringTask(prefix="rev:", transform=lambda s: s[::-1]),
     "copy": _StringTask(prefix="copy:", transform=lambda s: s),
+    # The long-tail workload (tools/bench.py pipeline --workload longtail): reverse, with string lengths
+    # of median 2 and sigma 1.5 (up to 128), so that p99 is about 30x the median, as in the papers'.
+    "reverse_longtail": _StringTask(prefix="rev:", transform=lambda s: s[::-1], length_median=1.2,
+                                    length_sigma=1.8, max_length=128),
 }
 TASK_NAMES = tuple(_TASKS)
 
@@ -72,10 +81,11 @@ def _task(task: str) -> _StringTask:
     return _TASKS[task]
 
 
-def sample_length(rng: random.Random) -> int:
+def sample_length(rng: random.Random, median: float = LENGTH_MEDIAN, sigma: float = LENGTH_SIGMA,
+                  max_length: int = MAX_LENGTH) -> int:
     """Log-normal string length, the source of the heavy tail."""
-    length = round(math.exp(rng.gauss(math.log(LENGTH_MEDIAN), LENGTH_SIGMA)))
-    return min(max(length, MIN_LENGTH), MAX_LENGTH)
+    length = round(math.exp(rng.gauss(math.log(median), sigma)))
+    return min(max(length, MIN_LENGTH), max_length)
 
 
 def make_prompt(task: str, seed: int, index: int, *, split: str = "train") -> Prompt:
@@ -87,7 +97,8 @@ def make_prompt(task: str, seed: int, index: int, *, split: str = "train") -> Pr
         raise ValueError(f"index: must be >= 0, got {index}")
     # Seeding with a str goes through sha512: stable across processes, whatever PYTHONHASHSEED is.
     rng = random.Random(f"{task}:{seed}:{index}" if split == "train" else f"{task}:{seed}:{split}:{index}")
-    s = "".join(rng.choice(ALPHABET) for _ in range(sample_length(rng)))
+    length = sample_length(rng, spec.length_median, spec.length_sigma, spec.max_length)
+    s = "".join(rng.choice(ALPHABET) for _ in range(length))
     answer = spec.transform(s)
     metadata: dict[str, MetadataValue] = {"task": task, "answer": answer, "length": len(answer)}
     return Prompt(prompt_id=index, text=f"{spec.prefix}{s}=", task=task, metadata=metadata)

@@ -3,6 +3,7 @@
     python tools/bench.py NAME [--quick] [--json]
     python tools/bench.py pipeline --timeline DIR   # also a timeline (JSON + PNG) of each mode's run
     python tools/bench.py pipeline --backend vllm   # the runs on torch and on vLLM generators, and the ratio
+    python tools/bench.py pipeline --workload longtail   # a long-tail workload like the papers'
     python tools/bench.py --list
 
 Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
@@ -59,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="torch", choices=("torch", "vllm"),
                         help="pipeline: vllm runs sync and stream with the generators on vLLM and on torch")
     parser.add_argument("--ranks", type=int, default=1, help="scale: also the same step on this many trainer ranks")
+    parser.add_argument("--workload", default="default", choices=("default", "longtail"),
+                        help="pipeline: default, or longtail (p99/median >= 8, rollout-dominated, a 12-layer policy)")
     args = parser.parse_args(argv)
     if args.list or not args.name:
         print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))
         return 0
     run = load(args.name)
     if args.backend != "torch":  # the pipeline runs on torch and on vLLM generators: their own module
-        if args.name != "pipeline" or args.timeline:
-            raise SystemExit("--backend vllm: for pipeline only, without --timeline")
+        if args.name != "pipeline" or args.timeline or args.workload != "default":
+            raise SystemExit("--backend vllm: for pipeline only, without --timeline or --workload")
         from tools.benches.pipeline_backends import run
     start = time.perf_counter()
 
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{args.name} {time.perf_counter() - start:6.1f}s] {text}", flush=True)
 
     extra = ({"timeline": Path(args.timeline)} if args.timeline else {}) | ({"ranks": args.ranks} if args.ranks > 1 else {})
+    extra |= {"workload_name": args.workload} if args.workload != "default" else {}
     figures = {"bench": args.name, **run(quick=args.quick, log=log, **extra), "quick": args.quick,
                "wall_s": round(time.perf_counter() - start, 2)}
     width = max(map(len, figures))

@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py          # writes examples/tiny/ (about 2.5 CPU-minutes, one thread)
     python tools/make_tiny_model.py --out /tmp/tiny --steps 500 --noisy-steps 150 --seed 0
+    python tools/make_tiny_model.py --deepen 12 --out /tmp/tiny12   # the same function in 12 layers
 
 The model (Llama architecture, 4 layers, hidden 128, 4 heads over 2 KV heads = grouped-query
 attention, tied embeddings, about 1M parameters, float32 safetensors of 4 MB) is trained with
@@ -200,6 +201,43 @@ def sample_rewards(model, tokenizer, task: str, seed: int, num_prompts: int, gro
     return groups, lengths
 
 
+def deepen(src: Path, out: Path, num_layers: int) -> Path:
+    """A deeper copy of the model in `src`, computing exactly the same function: layer i of the source is
+    layer i * k of the copy (k = num_layers / source layers), followed by k - 1 copies of it whose output
+    projections (attention o_proj, MLP down_proj) are zero, so that they add nothing to the residual
+    stream until training moves them (function-preserving depth expansion). Deterministic: no random
+    numbers. Writes model and tokenizer to `out`; the long-tail benchmark's policy (tools/benches/pipeline.py
+    --workload longtail): a decode step and a training step cost what a num_layers-deep model costs."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    factor, rem = divmod(num_layers, config.num_hidden_layers)
+    if rem or factor < 1:
+        raise ValueError(f"--deepen: {num_layers} is not a multiple of the {config.num_hidden_layers} source layers")
+    source = AutoModelForCausalLM.from_pretrained(src, dtype="float32")
+    config.num_hidden_layers = num_layers
+    deep = AutoModelForCausalLM.from_config(config)
+    state = {}
+    for name, tensor in source.state_dict().items():
+        if not name.startswith("model.layers."):
+            state[name] = tensor
+            continue
+        index, rest = name[len("model.layers."):].split(".", 1)
+        for copy in range(factor):
+            zero = copy > 0 and rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"model.layers.{int(index) * factor + copy}.{rest}"] = tensor.clone() * (0.0 if zero else 1.0)
+    deep.load_state_dict(state, strict=False)  # tied embeddings: lm_head.weight is the embedding
+    deep.generation_config = source.generation_config
+    out.mkdir(parents=True, exist_ok=True)
+    deep.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -218,7 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; results depend on it")
     parser.add_argument("--eval-prompts", type=int, default=32, help="0 skips the sampled evaluation")
+    parser.add_argument("--deepen", type=int, default=0,
+                        help="instead: copy the model in --src to --out with this many layers, the same function")
+    parser.add_argument("--src", type=Path, default=REPO_ROOT / "examples" / "tiny")
     args = parser.parse_args(argv)
+    if args.deepen:
+        print(f"deepened to {args.deepen} layers: {deepen(args.src, args.out, args.deepen)}")
+        return
 
     import torch
 

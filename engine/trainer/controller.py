@@ -1,7 +1,8 @@
 """The trainer's controller: which work goes to which generator, and which groups train when (pure logic).
 
     data source --(admit, within the staleness gate)--> pending sample ranges --(WorkRequest)--> generators
-    generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(pop_batch)--> learner
+    generators --(Rollout)--> in-flight groups --(scored)--> complete groups --(take_for_step)--> the open
+        step's groups (forward/backward early) --(close_step, once nothing it must hold is in flight)--> learner
     generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
     lease runs out --> the sample is reclaimed ("lease_expired") and re-queued; a late result is dropped
 
@@ -70,8 +71,10 @@ class Controller:
 
     Staleness: a batch trained with policy version V only contains samples whose oldest token was
     sampled with version >= V - max_staleness. Admission keeps at most (V + max_staleness + 1) *
-    groups_per_step groups admitted, and pop_batch forces every group that would otherwise become too
-    stale into the current step (waiting for it if needed), so the bound holds without discarding.
+    groups_per_step groups admitted, and every group that would otherwise become too stale is forced into
+    the current step (which waits for it if needed), so the bound holds without discarding. Complete
+    groups are committed to the open step as they come (take_for_step), so the trainer can run their
+    forward/backward while the step waits for its slowest group; close_step says when the step may run.
     """
 
     def __init__(self, prompts: Iterator[PromptRecord], *, group_size: int, groups_per_step: int,
@@ -96,6 +99,7 @@ class Controller:
         self.groups: dict[int, GroupState] = {}
         self.queue: collections.deque[SampleRange] = collections.deque()
         self.complete: list[GroupState] = []
+        self.step_groups: list[GroupState] = []  # committed to the step that trains policy_version (take_for_step)
         self.samples_handed_out = 0
         self.samples_trained = 0
         self.discarded: collections.Counter[str] = collections.Counter()
@@ -114,7 +118,7 @@ class Controller:
         if not self.total_steps:
             return False
         needed = (self.total_steps - self.policy_version) * self.groups_per_step
-        return len(self.groups) + len(self.complete) >= needed
+        return len(self.groups) + len(self.complete) + len(self.step_groups) >= needed
 
     # ------------------------------------------------------------------------------- admission
 
@@ -258,25 +262,53 @@ class Controller:
 
     # ------------------------------------------------------------------------------- training
 
+    def take_for_step(self) -> list[GroupState]:
+        """Complete groups committed now to the step that trains policy version V = self.policy_version,
+        so that the learner can run their forward/backward while the rest of the step's groups are still
+        being generated (Learner.accumulate); returns the newly committed ones.
+
+        Every group that would exceed the staleness bound after this step (min version < V + 1 -
+        max_staleness) is committed as soon as it completes; other complete groups, stalest first, fill
+        the step up to groups_per_step, keeping a slot for each such group still in flight. A committed
+        group stays in the step: what changes later (a staler group completing) can only add to it."""
+        limit = self.policy_version + 1 - self.max_staleness
+        reserved = sum(g.min_version() < limit for g in self.groups.values())
+        self.complete.sort(key=lambda g: g.min_version())  # stalest first; stable keeps arrival order
+        taken, kept = [], []
+        for group in self.complete:
+            room = len(self.step_groups) + len(taken) + reserved < self.groups_per_step
+            (taken if group.min_version() < limit or room else kept).append(group)
+        self.complete = kept
+        self.step_groups += taken
+        return taken
+
+    def step_can_close(self) -> bool:
+        """No group that must be in the open step is still in flight, and it holds groups_per_step groups
+        or every group that had to be in it."""
+        limit = self.policy_version + 1 - self.max_staleness
+        if any(g.min_version() < limit for g in self.groups.values()):
+            return False
+        return len(self.step_groups) >= self.groups_per_step or any(g.min_version() < limit for g in self.step_groups)
+
+    def close_step(self) -> list[GroupState] | None:
+        """The open step's groups once it may run its optimizer step (step_can_close), or None to wait."""
+        if not self.step_can_close():
+            return None
+        batch, self.step_groups = self.step_groups, []
+        return batch
+
     def pop_batch(self) -> list[GroupState] | None:
-        """Groups for the step that trains policy version V = self.policy_version, or None to wait.
+        """Groups for the step that trains policy version V = self.policy_version, or None to wait
+        (take_for_step, then close_step).
 
         A group whose oldest sample would exceed the staleness bound after this step must be in it:
         if such a group is still in flight, wait for it."""
-        limit = self.policy_version + 1 - self.max_staleness  # min version a group may have after this step
-        if any(g.min_version() < limit for g in self.groups.values()):
-            return None
-        forced = [g for g in self.complete if g.min_version() < limit]
-        if len(self.complete) < self.groups_per_step and not forced:
-            return None
-        self.complete.sort(key=lambda g: g.min_version())  # stalest first; stable keeps arrival order
-        batch = self.complete[: max(self.groups_per_step, len(forced))]
-        del self.complete[: len(batch)]
-        return batch
+        self.take_for_step()
+        return self.close_step()
 
     def pop_final(self) -> list[GroupState]:
-        """Whatever complete groups remain (used when the data is exhausted)."""
-        batch, self.complete = self.complete, []
+        """Whatever complete groups remain, committed ones first (used when the data is exhausted)."""
+        batch, self.step_groups, self.complete = [*self.step_groups, *self.complete], [], []
         return batch
 
     def on_trained(self, batch: list[GroupState], version: int) -> None:
@@ -292,16 +324,17 @@ class Controller:
         """Stop admitting; every sample handed out and not trained is discarded with `reason`.
         Returns the group ids to cancel at the generators; their prompts stay in `stopped_prompts`."""
         self.stopping = True
-        self.stopped_prompts = [g.prompt for g in sorted([*self.groups.values(), *self.complete],
+        self.stopped_prompts = [g.prompt for g in sorted([*self.groups.values(), *self.step_groups, *self.complete],
                                                           key=lambda g: g.group_id)]
         cancelled = []
         for group in self.groups.values():
             # handed out and neither trained nor already discarded (generator_dead ones left `assigned`)
             self.discarded[reason] += len(group.assigned) - len(group.discarded)
             cancelled.append(group.group_id)
-        self.discarded[reason] += sum(len(g.results) for g in self.complete)
+        self.discarded[reason] += sum(len(g.results) for g in [*self.step_groups, *self.complete])
         self.groups.clear()
         self.complete.clear()
+        self.step_groups.clear()
         self.queue.clear()  # queued ranges were never handed out
         return cancelled
 
@@ -309,7 +342,7 @@ class Controller:
         """What a checkpoint records: counters consistent with what it trained (samples in flight are not
         counted as handed out: after a resume their groups are handed out again, from scratch), and the
         prompts of the groups not yet trained, to admit again first."""
-        unfinished = sorted([*self.groups.values(), *self.complete], key=lambda g: g.group_id)
+        unfinished = sorted([*self.groups.values(), *self.step_groups, *self.complete], key=lambda g: g.group_id)
         counters = {"samples_handed_out": self.samples_trained + sum(self.discarded.values()),
                     "groups_admitted": self.groups_admitted - len(unfinished), "next_group_id": self.next_group_id}
         return counters, [g.prompt for g in unfinished]
@@ -318,7 +351,7 @@ class Controller:
         """Invariant 4: handed out == trained + discarded (once nothing is in flight)."""
         total = self.samples_trained + sum(self.discarded.values())
         in_flight = sum(len(g.assigned) - len(g.discarded) for g in self.groups.values())
-        in_flight += sum(len(g.results) for g in self.complete)
+        in_flight += sum(len(g.results) for g in [*self.step_groups, *self.complete])
         if self.samples_handed_out != total + in_flight:
             raise AccountingError(
                 f"accounting broken: handed out {self.samples_handed_out}, trained {self.samples_trained}, "
@@ -328,6 +361,7 @@ class Controller:
         return {
             "trainer/controller/groups_in_flight": len(self.groups),
             "trainer/controller/groups_complete": len(self.complete),
+            "trainer/controller/groups_committed": len(self.step_groups),
             "trainer/controller/ranges_queued": len(self.queue),
             "trainer/controller/samples_handed_out": self.samples_handed_out,
             "trainer/controller/samples_trained": self.samples_trained,

@@ -310,6 +310,11 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _scaled_loss_stats(stats: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Statistics summed under normaliser 1, brought to the step's: the loss terms carry the weight."""
+    return {k: v * scale if k in ("loss_pg", "loss_kl", "loss") else v for k, v in stats.items()}
+
+
 def _batch_metrics(samples: Sequence[TrainSample], normaliser: LossNormaliser, staleness: Sequence[int],
                    stats: dict[str, torch.Tensor]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -366,23 +371,55 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step_count = 0
         self.policy_version = initial_policy_version
+        self._accumulated: set[int] = set()  # group ids accumulate() ran for the coming step
+        self._accumulated_stats: dict[str, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def accumulated_group_ids(self) -> frozenset[int]:
+        """Groups whose forward/backward accumulate() ran for the coming step."""
+        return frozenset(self._accumulated)
+
+    def accumulate(self, groups: Sequence[Group]) -> bool:
+        """Run the forward/backward of some groups of the coming step now, while the rest of its groups are
+        still being generated; step() then runs only the others and the optimizer step. The gradient is the
+        same: the step-wide normaliser is a scalar factor, so the increments are summed unnormalised
+        (normaliser 1) and scaled once all are in. Returns False (nothing done) on several ranks, where every
+        rank must run the same calls, and with several passes or updates per step (ppo_epochs, minibatches):
+        there the whole step runs in step()."""
+        if dist.world_size() > 1 or dist.fsdp_modules(self.model) or not groups or \
+                self.config.ppo_epochs > 1 or self.config.minibatches > 1:
+            return False
+        assign_advantages(groups, self.config.loss)
+        if not self._accumulated:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        samples = flatten_samples(groups)
+        stats = self._forward_backward(samples, LossNormaliser(num_tokens=1, num_samples=1))
+        add_stats(self._accumulated_stats, stats)
+        self._accumulated.update(g.group_id for g in groups)
+        return True
+
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         """One step on a batch: train.ppo_epochs passes of train.minibatches optimizer updates each
         (engine/trainer/ppo.py), one policy version. Groups get GRPO advantages from their rewards; bare
-        samples are trained with the advantage they carry. Returns metrics named trainer/<group>/<name>."""
+        samples are trained with the advantage they carry. Groups already run by accumulate() (by group id)
+        are not run again (one pass, one update). Returns metrics named trainer/<group>/<name>."""
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
             raise ValueError("batch: no samples")
+        done = [u for u in batch if isinstance(u, Group) and u.group_id in self._accumulated]
+        if len(done) != len(self._accumulated):
+            raise ValueError("batch: it lacks groups that accumulate() already ran for this step")
+        rest = [u for u in batch if not (isinstance(u, Group) and u.group_id in self._accumulated)]
         assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
-        parts = ppo.split_minibatches(batch, self.config.minibatches)
+        parts = [batch] if done else ppo.split_minibatches(batch, self.config.minibatches)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
-        epoch_stats, updates = self._passes(parts)
+        epoch_stats, updates = self._finish_accumulated(samples, rest) if done else self._passes(parts)
         num_updates = len(updates)
         stats = ppo.step_stats(epoch_stats, num_updates)
 
@@ -394,6 +431,7 @@ class Learner:
         metrics.update(ppo.epoch_metrics(epoch_stats))
         metrics.update(ppo.update_metrics(updates))
         metrics["trainer/ppo/minibatches"] = float(len(parts))
+        metrics["trainer/accumulated_groups"] = float(len(done))
         metrics.update(self._count_step())
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics
@@ -429,6 +467,31 @@ class Learner:
                 updates.append(self._update())
             epoch_stats.append(stats)
         return ppo.reduce_epochs(epoch_stats), updates
+
+    def _finish_accumulated(self, samples: list[TrainSample], rest: list) -> tuple[list, list]:
+        """The step's single pass when accumulate() ran some of its groups: their gradient brought to the
+        step's normaliser, the rest's forward/backward added, one update (as _passes returns them)."""
+        normaliser = LossNormaliser.from_samples(samples)
+        scale = float(normaliser.token_weights(torch.ones(1), self.config.loss.aggregation)[0])
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        self.model.train()
+        stats = self._forward_backward(flatten_samples(rest), normaliser)
+        add_stats(stats, _scaled_loss_stats(self._accumulated_stats, scale))
+        self._accumulated, self._accumulated_stats = set(), {}
+        return ppo.reduce_epochs([stats]), [self._update()]
+
+    def _forward_backward(self, mine: list[TrainSample], normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
+        """This rank's samples' forward/backward (gradients add up in .grad) and summed statistics."""
+        stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
+        ref_logprobs = self._ref_logprobs(mine)
+        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
+            if mine:
+                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
+                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
+            dist.reduce_gradients(self.model, self._zero_weight_loss)
+        return stats
 
     def _unit_cost(self, unit: Group | TrainSample) -> float:
         """What a group (or bare sample) costs a rank: its unique tokens under the shared-prefix modes."""

@@ -2,8 +2,8 @@
 
     net loop    consumes Hello/WorkRequest/Rollout/WeightsFetch/Stats/Event from the ROUTER socket;
                 parks work requests the staleness gate refuses; scores rollouts as tasks
-    train loop  waits for controller.pop_batch() (unblocked by scored samples), runs learner.step in a
-                worker thread (the event loop keeps serving meanwhile), then publishes version V+1
+    train loop  runs the open step's complete groups' forward/backward early (early.py), waits for
+                controller.pop_batch(), runs learner.step in a worker thread, then publishes version V+1
                 (WeightsNotice to generators and on the notice socket) and serves parked requests
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
     loop probe  measures the event loop's lag into Stats counter trainer/loop/max_stall_ms (loop_probe.py)
@@ -37,7 +37,7 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
-from tailrace.engine.trainer import checkpoint, loop_probe, trained_log, watchdog
+from tailrace.engine.trainer import checkpoint, early, loop_probe, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.evaluation import Evaluator
@@ -213,6 +213,7 @@ class TrainerService:
     async def train_loop(self) -> None:
         total = self.cfg.train.steps
         while self.learner.step_count < total and not self.stop_requested:
+            await early.accumulate_committed(self)  # the step's complete groups, while the rest generate
             batch = self.controller.pop_batch()
             if batch is None and self.controller.exhausted and not self.controller.groups \
                     and not self.controller.queue:

@@ -87,7 +87,7 @@ def situation(service: Any, now: float) -> Situation:
         wait_for_server_s=service.cfg.reward.wait_for_server_s, generators=generators,
         parked=len(service.parked), held=dict(held),
         next_lease=(next_lease[0] - now, next_lease[1]) if next_lease else None,
-        groups_in_flight=len(ctrl.groups), groups_complete=len(ctrl.complete),
+        groups_in_flight=len(ctrl.groups), groups_complete=len(ctrl.complete) + len(ctrl.step_groups),
         groups_per_step=ctrl.groups_per_step, scoring=len(service.scoring))
 
 

@@ -67,9 +67,10 @@ def test_prompt_shape_and_reference_answer(task):
         answer = prompt.metadata["answer"]
         assert prompt.task == prompt.metadata["task"] == task
         assert prompt.text.endswith("=") and set(answer) <= set(tasks.ALPHABET)
-        assert tasks.MIN_LENGTH <= len(answer) == prompt.metadata["length"] <= tasks.MAX_LENGTH
+        assert tasks.MIN_LENGTH <= len(answer) == prompt.metadata["length"] <= tasks._task(task).max_length
         assert tasks.reference_answer(task, prompt.text) == answer
-    assert tasks.make_prompt(task, 0, 0).text.startswith({"reverse": "rev:", "copy": "copy:"}[task])
+    prefix = {"reverse": "rev:", "copy": "copy:", "reverse_longtail": "rev:"}[task]
+    assert tasks.make_prompt(task, 0, 0).text.startswith(prefix)
 
 
 def test_response_lengths_are_heavy_tailed():
@@ -78,6 +79,17 @@ def test_response_lengths_are_heavy_tailed():
     p99 = lengths[int(0.99 * len(lengths))]
     assert p99 >= 4 * median, (median, p99)
     assert max(lengths) <= tasks.MAX_LENGTH + 1
+
+
+def test_longtail_task_lengths_are_like_the_papers():
+    """p99 / median of the answer lengths (+ EOS) >= 8; the same reward as reverse on the same prompt."""
+    prompts = _take("reverse_longtail", seed=0, start=0, n=5000)
+    lengths = sorted(p.metadata["length"] + 1 for p in prompts)
+    assert lengths[int(0.99 * len(lengths))] >= 8 * statistics.median(lengths)
+    assert max(lengths) <= 128 + 1
+    p = prompts[0]
+    assert tasks.score(p.text, p.metadata["answer"], p.metadata) == 1.0
+    assert tasks.score_task("reverse", p.text, "x", {}) == tasks.score(p.text, "x", p.metadata)
 
 
 def test_unknown_task_and_bad_index_are_value_errors():
@@ -158,6 +170,23 @@ def test_tiny_model_folder_is_small_and_complete():
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
     assert not any("optimizer" in name for name in names)
     assert sum(p.stat().st_size for p in TINY.iterdir()) <= 20 * 2**20
+
+
+def test_deepened_model_computes_the_same_function(tiny, tmp_path):
+    """tools/make_tiny_model.py --deepen: 12 layers, the same logits as the shipped 4 (long-tail bench policy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tools.make_tiny_model import deepen
+
+    _, model = tiny
+    deep = AutoModelForCausalLM.from_pretrained(deepen(TINY, tmp_path / "deep", 12)).eval()
+    assert deep.config.num_hidden_layers == 12
+    ids = torch.randint(4, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(deep(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="deepen"):
+        deepen(TINY, tmp_path / "bad", 10)
 
 
 def test_tokenizer_round_trip(tiny):

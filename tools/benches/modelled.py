@@ -7,8 +7,9 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
     ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
-                     the tokens the naive trainer runs (padded micro-batches); advances step_count and
-                     policy_version, and leaves the weights alone
+                     the tokens the naive trainer runs (padded micro-batches), b * tokens of it early for
+                     the groups accumulate() took; advances step_count and policy_version, and leaves the
+                     weights alone
     role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
                      (GeneratorService make_backend, TrainerService make_learner)
 
@@ -319,6 +320,22 @@ class ModelledLearner(Learner):
             raise ValueError("train.ppo_epochs, train.minibatches: modelled compute models one update per step")
         super().__init__(model, config, **kwargs)
         self.costs = costs
+        self._overslept_s = 0.0
+
+    def accumulate(self, groups: Sequence[Group]) -> bool:
+        """Learner.accumulate modelled: the forward/backward share of the groups' cost (per token, no
+        intercept: that is the optimizer step's, paid in step)."""
+        padded = train_tokens(flatten_samples(groups), self.config.micro_batch_tokens, self.config.replay)
+        self._sleep(self.costs.train.per_token_s * padded)
+        self._accumulated.update(g.group_id for g in groups)
+        return True
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep the modelled time, less what earlier sleeps overslept (a loaded machine wakes a sleeper
+        late): many small increments then cost what one step of their size costs."""
+        start = time.monotonic()
+        time.sleep(max(0.0, seconds - self._overslept_s))
+        self._overslept_s = max(0.0, self._overslept_s + (time.monotonic() - start) - seconds)
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
@@ -327,8 +344,12 @@ class ModelledLearner(Learner):
             raise ValueError("batch: no samples")
         tokens = sum(s.num_tokens for s in samples)
         padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
-        modelled_s = self.costs.train(padded)
-        time.sleep(modelled_s)
+        rest = [u for u in batch if getattr(u, "group_id", None) not in self._accumulated]
+        self._accumulated = set()
+        rest_padded = train_tokens(flatten_samples(rest), self.config.micro_batch_tokens, self.config.replay) \
+            if rest else 0
+        modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
+        self._sleep(modelled_s)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1
         self.policy_version += 1

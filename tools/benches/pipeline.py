@@ -1,12 +1,14 @@
 """Pipeline benchmark: synchronous (batch barrier) against streaming, real and with modelled compute.
 
-    python tools/bench.py pipeline [--quick] [--json]
+    python tools/bench.py pipeline [--quick] [--json] [--workload longtail]
 
-One workload (the default synthetic task on the shipped tiny model; same train.steps, groups_per_step
-and group_size, so the same samples trained), run five ways, each as separate OS processes (a trainer
-and two generators over tcp loopback, built-in rewards):
+One workload (`workload()`: the default synthetic task on the shipped tiny model, or the long-tail one on
+a 12-layer policy; same train.steps, groups_per_step and group_size, so the same samples trained; the
+modelled modes take modelled_steps steps, 12 also with --quick, as they cost sleeps), run
+several ways, each as separate OS processes (a trainer and two generators over tcp loopback, built-in rewards):
 
-    sync             controller.max_staleness 0: generate the whole batch, then train
+    sync             controller.max_staleness 0 and train.early_backward false: generate the whole batch,
+                     then train it (the batch barrier of synchronous RL)
     stream           controller.max_staleness 1: finished groups stream into training
     modelled_sync    the same two with modelled compute (tools/benches/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
@@ -16,6 +18,9 @@ and two generators over tcp loopback, built-in rewards):
                      (other prompts; what a long-lived run resumes with, generator.drafter_path) and
                      trained further in the generators' idle turns; spec_ratio = sync_s / its time
     stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
+    stream_barrier   stream and modelled_stream with train.early_backward false (the step's forward/backward
+    modelled_stream_barrier  only once its last group is in): early_backward_gain = their time / stream's,
+                     modelled_ratio_barrier = modelled_sync_s / the modelled one's: the scheduling rule's gain
     stream-spans     stream with metrics.spans false: spans_ratio = its time / stream's; telemetry_frac is
                      what the generators' own clocks say recording and sending spans cost them, of their wall time
 
@@ -34,7 +39,10 @@ learner passed to the services. A tool process on the notice socket times each r
 last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; generators 1 - backend busy
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
-it means the workload's balance of compute, not the scheduler, limits the gain. The full run repeats
+it means the workload's balance of compute, not the scheduler, limits the gain (scheduler_efficiency =
+modelled_ratio / modelled_ratio_bound). rollout_share_[modelled_]sync: the trainer's idle share of a sync
+run, i.e. what of a synchronous step is rollout (and weights out); completion_len_p99_over_median of the
+measured completions: both check the long-tail workload's claim in the output. The full run repeats
 every mode twice (ABCDEF FEDCBA) and reports means.
 """
 
@@ -57,16 +65,21 @@ MODELLED_RATIO_TARGET = 2.0
 MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
 DRAFTER_TRAIN_S = {True: 20.0, False: 60.0}  # spot training before the runs (stream+spec), by --quick
 NUM_GENERATORS = 2
+BARRIER = ("--train.early_backward", "false")  # sync: the whole batch generated, then the whole step
+PLAIN = ("--generator.speculation", "off")  # the default (auto) may speculate: the plain modes say off
 MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides)
-    "sync": (0, False, ()),
-    "stream": (1, False, ()),
-    "modelled_sync": (0, True, ()),
+    "sync": (0, False, (*BARRIER, *PLAIN)),
+    "stream": (1, False, PLAIN),
+    "modelled_sync": (0, True, BARRIER),
     "modelled_stream": (1, True, ()),
+    # the scheduling rule's own gain: stream with the barrier inside the step (train.early_backward false)
+    "modelled_stream_barrier": (1, True, BARRIER),
+    "stream_barrier": (1, False, (*BARRIER, *PLAIN)),
     # speculation: from a drafter trained before the runs, and from an untrained one
-    "stream+spec": (1, False, ("--generator.speculation", "true", "--generator.drafter_path", "{drafter}")),
-    "stream+spec_cold": (1, False, ("--generator.speculation", "true")),
+    "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
+    "stream+spec_cold": (1, False, ("--generator.speculation", "on")),
     # telemetry's cost: stream without spans (metrics.spans false), against stream
-    "stream-spans": (1, False, ("--metrics.spans", "false")),
+    "stream-spans": (1, False, ("--metrics.spans", "false", *PLAIN)),
 }
 _fork = multiprocessing.get_context("fork")
 
@@ -79,17 +92,34 @@ class Workload:
     max_new_tokens: int = 64
     max_batch_size: int = 32
     model_path: str = ""  # "" = the shipped tiny model
+    task: str = ""  # "" = the default task
+    deepen_to: int = 0  # > 0: the policy is the shipped model deepened to this many layers, built at bench time
+    modelled_steps: int = 12  # the modelled modes cost sleeps, not CPU: enough steps that pipeline fill is small
 
     def overrides(self) -> list[str]:
         return ["--train.steps", str(self.steps), "--train.groups_per_step", str(self.groups_per_step),
                 "--sampling.group_size", str(self.group_size), "--sampling.max_new_tokens", str(self.max_new_tokens),
                 "--generator.max_batch_size", str(self.max_batch_size),
-                *(["--model.path", self.model_path] if self.model_path else [])]
+                *(["--model.path", self.model_path] if self.model_path else []),
+                *(["--data.task", self.task] if self.task else [])]
 
     def config(self):
         from tailrace.engine.config import load_config
 
         return load_config(None, self.overrides())
+
+
+def workload(name: str, quick: bool) -> Workload:
+    """default: the default task on the shipped tiny model. longtail: like the papers' (response lengths
+    with p99 / median >= 8, rollout most of a synchronous step): the reverse_longtail task (engine/tasks.py),
+    max_new_tokens 256, on the shipped policy deepened to 12 layers (tools/make_tiny_model.py --deepen),
+    4 groups of 8 per step."""
+    if name == "default":
+        return Workload(steps=3 if quick else 12)
+    if name == "longtail":
+        return Workload(steps=4 if quick else 12, groups_per_step=4, max_new_tokens=256, task="reverse_longtail",
+                        deepen_to=12)
+    raise ValueError(f"--workload: {name!r} is not one of default, longtail")
 
 
 def load_1m() -> float:
@@ -431,11 +461,18 @@ def _timeline(run_dir: Path, mode: str, out: Path, traces: dict[str, list[dict]]
         write([("sync", traces["sync"]), ("stream", traces["stream"])], out / "sync_vs_stream")
 
 
-def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -> dict:
-    w = Workload(steps=3 if quick else 12)
+def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, workload_name: str = "default") -> dict:
+    from dataclasses import replace
+
+    w = workload(workload_name, quick)
     work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-"))
-    log(f"workload: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} (removed "
-        "unless the benchmark fails)")
+    if w.deepen_to:
+        from tailrace.engine.models import resolve_model_path
+        from tools.make_tiny_model import deepen
+
+        w = replace(w, model_path=str(deepen(Path(resolve_model_path("tiny")), work / "policy", w.deepen_to)))
+    log(f"workload {workload_name}: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} "
+        "(removed unless the benchmark fails)")
     _preload(w.model_path or "tiny")
     costs_path = work / "costs.json"
     measure = _start(measure_costs, w, costs_path, quick, log)
@@ -453,10 +490,12 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -
     traces: dict[str, list[dict]] = {}
     for i, mode in enumerate(list(MODES) if quick else [*MODES, *reversed(MODES)]):
         staleness, modelled, extra = MODES[mode]
-        args = [*w.overrides(), "--controller.max_staleness", str(staleness), "--reward.mode", "builtin",
+        steps = w.modelled_steps if modelled else w.steps
+        args = [*w.overrides(), "--train.steps", str(steps), "--controller.max_staleness", str(staleness),
+                "--reward.mode", "builtin",
                 "--trainer.stats_interval_s", "0.2", *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
         load = load_1m()
-        r = run_pipeline(work / "runs", f"{i}-{mode}", args, w.steps, timeout_s=120 if quick else 600,
+        r = run_pipeline(work / "runs", f"{i}-{mode}", args, steps, timeout_s=120 if quick else 600,
                          costs_path=costs_path if modelled else None)
         r["load_1m"] = load
         results[mode].append(r)
@@ -467,7 +506,7 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None) -
             f"{r['join_spread_s']:.2f} s apart   load {load}")
     from tools.benches.modelled import load_costs
 
-    out = figures(w, load_costs(costs_path), results)
+    out = {"workload": workload_name, **figures(w, load_costs(costs_path), results)}
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -479,7 +518,8 @@ def _mean(runs: list[dict], key: str) -> float:
 def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     s, t = _mean(results["sync"], "seconds"), _mean(results["stream"], "seconds")
     ms, mt = _mean(results["modelled_sync"], "seconds"), _mean(results["modelled_stream"], "seconds")
-    trained = sorted({r["samples_trained"] for runs in results.values() for r in runs})
+    trained = {modelled: {r["samples_trained"] for mode, runs in results.items() for r in runs
+                          if MODES[mode][1] == modelled} for modelled in (False, True)}
     # No schedule of the stream run's work beats its busiest process: trainer or one generator.
     busiest = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"]) for r in results["modelled_stream"])
     lengths = sorted(c.completion_tokens for c in costs.completions)
@@ -496,17 +536,28 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     for key in ("idle_trainer", "idle_generators"):
         out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
     out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}
-    out |= {"samples_equal": len(trained) == 1,
+    barrier_s, mbarrier_s = _mean(results["stream_barrier"], "seconds"), _mean(results["modelled_stream_barrier"], "seconds")
+    out |= {"stream_barrier_s": round(barrier_s, 3), "early_backward_gain": round(barrier_s / t, 3),
+            "modelled_stream_barrier_s": round(mbarrier_s, 3), "modelled_ratio_barrier": round(ms / mbarrier_s, 3),
+            "modelled_early_backward_gain": round(mbarrier_s / mt, 3)}
+    out |= {"samples_equal": all(len(v) == 1 for v in trained.values()),
             "ratio_target": RATIO_TARGET, "ratio_met": s / t > RATIO_TARGET,
             "modelled_ratio_target": MODELLED_RATIO_TARGET, "modelled_ratio_met": ms / mt >= MODELLED_RATIO_TARGET,
             "modelled_ratio_bound": round(ms / busiest, 3),
-            "runs_per_mode": len(results["sync"]), "steps": w.steps, "groups_per_step": w.groups_per_step,
+            "runs_per_mode": len(results["sync"]), "steps": w.steps, "modelled_steps": w.modelled_steps,
+            "groups_per_step": w.groups_per_step,
             "group_size": w.group_size, "max_new_tokens": w.max_new_tokens, "max_batch_size": w.max_batch_size,
             "max_staleness_seen": {mode: max(r["max_staleness_seen"] for r in runs) for mode, runs in results.items()},
             "decode_step_ms_b1": round(1e3 * statistics.median(costs.decode_step_s[1]), 3),
             f"decode_step_ms_b{w.max_batch_size}": round(1e3 * statistics.median(costs.decode_step_s[w.max_batch_size]), 3),
             "train_ms_per_1k_padded_tokens": round(1e3 * costs.train(1000), 1),
             "completion_len_median": statistics.median(lengths), "completion_len_p99": _quantile(lengths, 0.99),
+            "completion_len_p99_over_median": round(_quantile(lengths, 0.99) / statistics.median(lengths), 2),
+            # Of a synchronous step, the share that is not the trainer's: rollout (and weights out).
+            "rollout_share_sync": round(_mean(results["sync"], "idle_trainer"), 3),
+            "rollout_share_modelled_sync": round(_mean(results["modelled_sync"], "idle_trainer"), 3),
+            "scheduler_efficiency": round((ms / mt) / (ms / busiest), 3),
+            "num_layers": w.deepen_to or None, "task": w.task or "default",
             "measure_wall_over_cpu": round(costs.info.get("wall_over_cpu", float("nan")), 2),
             "load_1m": {mode: [r["load_1m"] for r in runs] for mode, runs in results.items()}}
     return out

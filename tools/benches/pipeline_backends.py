@@ -23,10 +23,11 @@ from pathlib import Path
 from tools.benches.pipeline import Workload, _preload, load_1m, run_pipeline
 
 MODES = {  # name -> (controller.max_staleness, extra overrides)
-    "sync": (0, ()),
-    "stream": (1, ()),
-    "sync@vllm": (0, ("--generator.backend", "vllm")),
-    "stream@vllm": (1, ("--generator.backend", "vllm")),
+    # plain decoding on both backends (the default, auto, would speculate on torch only)
+    "sync": (0, ("--generator.speculation", "off")),
+    "stream": (1, ("--generator.speculation", "off")),
+    "sync@vllm": (0, ("--generator.backend", "vllm", "--generator.speculation", "off")),
+    "stream@vllm": (1, ("--generator.backend", "vllm", "--generator.speculation", "off")),
 }
 ENGINE_START_S = 300.0  # added to a vLLM run's deadline: each generator builds its engine before joining
 
