@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import models, preflight, report
+from tailrace.engine import heap, models, preflight, report
 from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
@@ -167,7 +167,7 @@ class TrainerService:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
         self.drafters.server = self.server
-        async with self.server:
+        async with heap.frozen(), self.server:  # no full GC pass walks the start-up heap while serving
             router = None
             if self.cfg.reward.mode != "builtin":
                 from tailrace.protocol.reward_sdk import RewardRouter
