@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailrace.engine import heap
 from tailrace.engine.config import RunConfig
 from tailrace.engine.generator.spans import idle_state, record_step, step_marks
 from tailrace.engine.weights import WeightsAssembler, WeightsStore
@@ -155,7 +156,7 @@ class GeneratorService:
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
-        async with self.client:
+        async with heap.frozen(), self.client:  # as the trainer: no full GC pass walks the start-up heap
             welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=self.connect_for_s,
                                                 waiting_every_s=WAITING_EVERY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
