@@ -162,7 +162,10 @@ def test_run_with_evaluation_then_eval_of_its_checkpoint(tmp_path):
     run = _tailrace("run", "--train.steps", "4", "--train.groups_per_step", "2", "--sampling.group_size", "4",
                     "--sampling.max_new_tokens", "16", "--launch.num_generators", "1", "--eval.every_steps", "2",
                     *EVAL_ARGS, "--trainer.runs_dir", str(tmp_path / "runs"), "--trainer.run_name", "ev",
-                    "--trainer.stats_interval_s", "0.2", cwd=tmp_path, timeout=420)
+                    "--trainer.stats_interval_s", "0.2",
+                    # plain decoding: speculation keeps each sample's distribution, not its seeded draw, and
+                    # this test compares the in-run figures with `tailrace eval`'s draw for draw
+                    "--generator.speculation", "off", cwd=tmp_path, timeout=420)
     assert run.returncode == 0, run.stdout + run.stderr
     run_dir = tmp_path / "runs" / "ev"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
