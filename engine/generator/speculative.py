@@ -190,13 +190,7 @@ def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, dr
     # q is 0 after the last draft, so "all accepted" draws from p_{k+1} itself.
     q_pad_BNV = torch.cat((q_logprobs_BKV.exp(), torch.zeros_like(q_logprobs_BKV[:, :1])), dim=1)
     residual_BV = (p_at_BV - q_pad_BNV[rows_B, num_accepted_B]).clamp_min(0.0)
-    # A rejection has positive residual mass in exact arithmetic; rounding alone can empty it.
-    empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
-    final_B1 = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B[:, None])
-    tokens_BN = torch.cat((drafts_BK, final_B1), dim=1)
-    tokens_BN.scatter_(1, num_accepted_B[:, None], final_B1)
-    logprobs_BN = p_logprobs_BNV.gather(-1, tokens_BN[..., None]).squeeze(-1)
-    return num_accepted_B, tokens_BN, logprobs_BN
+    return _finish(p_logprobs_BNV, drafts_BK, num_accepted_B, p_at_BV, residual_BV, u_final_B)
 
 
 def accept_point_drafts(p_logprobs_BNV: torch.Tensor, drafts_BK: torch.Tensor, u_accept_BK: torch.Tensor,
@@ -212,7 +206,14 @@ def accept_point_drafts(p_logprobs_BNV: torch.Tensor, drafts_BK: torch.Tensor, u
     rejected_B1 = (num_accepted_B < num_drafts)[:, None]
     draft_at_B1 = drafts_BK.gather(1, num_accepted_B.clamp_max(num_drafts - 1)[:, None])
     residual_BV = torch.where(rejected_B1, p_at_BV.scatter(1, draft_at_B1, 0.0), p_at_BV)
-    # A rejection leaves positive mass in exact arithmetic; rounding alone (p(d) ~ 1) can empty it.
+    return _finish(p_logprobs_BNV, drafts_BK, num_accepted_B, p_at_BV, residual_BV, u_final_B)
+
+
+def _finish(p_logprobs_BNV: torch.Tensor, drafts_BK: torch.Tensor, num_accepted_B: torch.Tensor,
+            p_at_BV: torch.Tensor, residual_BV: torch.Tensor, u_final_B: torch.Tensor):
+    """The token after the kept drafts, drawn from the residual (from p itself when all k were kept, or
+    when rounding alone emptied a rejection's residual, whose mass is positive in exact arithmetic), and
+    the log-probs under p of every emitted token: (num_accepted [B], tokens [B, k+1], logprobs [B, k+1])."""
     empty_B1 = residual_BV.sum(-1, keepdim=True) <= 0
     final_B1 = sample_probs(torch.where(empty_B1, p_at_BV, residual_BV), u_final_B[:, None])
     tokens_BN = torch.cat((drafts_BK, final_B1), dim=1)
