@@ -4,6 +4,7 @@
     python tools/bench.py pipeline --timeline DIR   # also a timeline (JSON + PNG) of each mode's run
     python tools/bench.py pipeline --backend vllm   # the runs on torch and on vLLM generators, and the ratio
     python tools/bench.py pipeline --workload longtail   # a long-tail workload like the papers'
+    python tools/bench.py spec --workload longtail   # speculation on the 12-layer policy, the 4-layer beside it
     python tools/bench.py --list
 
 Each benchmark is a function `run(quick: bool, log: Callable[[str], None]) -> dict` in a module under
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pipeline: vllm runs sync and stream with the generators on vLLM and on torch")
     parser.add_argument("--ranks", type=int, default=1, help="scale: also the same step on this many trainer ranks")
     parser.add_argument("--workload", default="default", choices=("default", "longtail"),
-                        help="pipeline: default, or longtail (p99/median >= 8, rollout-dominated, a 12-layer policy)")
+                        help="pipeline: default, or longtail (p99/median >= 8, rollout-dominated, a 12-layer policy); "
+                             "spec: longtail measures the 12-layer policy, the 4-layer one beside it")
     args = parser.parse_args(argv)
     if args.list or not args.name:
         print("\n".join(f"{name:12s} {target}" for name, target in sorted(BENCHES.items())))

@@ -33,7 +33,7 @@ else
 fi
 step 150 "vLLM backend suite (CUDA vLLM)" python -m pytest -q -p no:cacheprovider --timeout=140 \
     tests/engine/test_backend_conformance.py tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py
-step 90 "spec" python tools/bench.py spec --quick --json
+step 180 "spec, 12-layer policy and 4-layer beside it" python tools/bench.py spec --workload longtail --quick --json
 step 90 "replay" python tools/bench.py replay --quick --json
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo all passed || echo FAILURES above)"
 exit "$status"

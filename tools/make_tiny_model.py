@@ -19,6 +19,7 @@ gives the same weights. The output loads with AutoModelForCausalLM / AutoTokeniz
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -201,35 +202,45 @@ def sample_rewards(model, tokenizer, task: str, seed: int, num_prompts: int, gro
     return groups, lengths
 
 
-def deepen(src: Path, out: Path, num_layers: int) -> Path:
-    """A deeper copy of the model in `src`, computing exactly the same function: layer i of the source is
+def deepen_model(source, num_layers: int):
+    """A deeper copy of the model `source`, computing exactly the same function: layer i of the source is
     layer i * k of the copy (k = num_layers / source layers), followed by k - 1 copies of it whose output
     projections (attention o_proj, MLP down_proj) are zero, so that they add nothing to the residual
-    stream until training moves them (function-preserving depth expansion). Deterministic: no random
-    numbers. Writes model and tokenizer to `out`; the long-tail benchmark's policy (tools/benches/pipeline.py
-    --workload longtail): a decode step and a training step cost what a num_layers-deep model costs."""
-    import shutil
+    stream until training moves them (function-preserving depth expansion): every layer's output, and so
+    the last hidden state, is the source's bit for bit. Deterministic: no random numbers."""
+    from transformers import AutoModelForCausalLM
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(src)
+    config = copy.deepcopy(source.config)
     factor, rem = divmod(num_layers, config.num_hidden_layers)
     if rem or factor < 1:
         raise ValueError(f"--deepen: {num_layers} is not a multiple of the {config.num_hidden_layers} source layers")
-    source = AutoModelForCausalLM.from_pretrained(src, dtype="float32")
     config.num_hidden_layers = num_layers
-    deep = AutoModelForCausalLM.from_config(config)
+    if getattr(config, "layer_types", None):  # one entry per layer (transformers 5)
+        config.layer_types = [t for t in config.layer_types for _ in range(factor)]
+    deep = AutoModelForCausalLM.from_config(config).to(source.dtype)
     state = {}
     for name, tensor in source.state_dict().items():
         if not name.startswith("model.layers."):
             state[name] = tensor
             continue
         index, rest = name[len("model.layers."):].split(".", 1)
-        for copy in range(factor):
-            zero = copy > 0 and rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-            state[f"model.layers.{int(index) * factor + copy}.{rest}"] = tensor.clone() * (0.0 if zero else 1.0)
+        for copy_index in range(factor):
+            zero = copy_index > 0 and rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"model.layers.{int(index) * factor + copy_index}.{rest}"] = tensor.clone() * (0.0 if zero else 1.0)
     deep.load_state_dict(state, strict=False)  # tied embeddings: lm_head.weight is the embedding
     deep.generation_config = source.generation_config
+    return deep.eval()
+
+
+def deepen(src: Path, out: Path, num_layers: int) -> Path:
+    """deepen_model of the model in `src`, written with its tokenizer to `out`: the long-tail benchmarks'
+    policy (tools/benches/pipeline.py --workload longtail, tools/benches/spec.py --workload longtail): a
+    decode step and a training step cost what a num_layers-deep model costs."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    deep = deepen_model(AutoModelForCausalLM.from_pretrained(src, dtype="float32"), num_layers)
     out.mkdir(parents=True, exist_ok=True)
     deep.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

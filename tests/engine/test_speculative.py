@@ -3,8 +3,9 @@
 Lossless is checked three ways: the acceptance rule alone (exact output marginals, vectorised over many
 rows), whole sampled sequences against the policy's exact sequence distribution (chi-square over
 >= 20000 samples, fixed seeds, temperature 1 and with top-p/top-k; a deliberately lossy rule must fail the
-same test), and greedy decoding token for token against full recompute.
-Run: pytest tests/engine/test_speculative.py   (the 100000-sample variant: -m slow)
+same test), and greedy decoding token for token against full recompute. The chi-square tests also run on
+the 12-layer shape of the long-tail benchmarks' policy (a model deepened by tools/make_tiny_model.py).
+Run: pytest tests/engine/test_speculative.py   (the 100000-sample variant and the exactly deepened one: -m slow)
 """
 
 import itertools
@@ -24,6 +25,7 @@ from tailrace.engine.models import cache_kwarg
 from tailrace.protocol.messages import SamplingParams
 from tests.engine.test_backend import greedy_reference, prompts, reference_logits
 from tests.engine.test_backend import run as run_backend
+from tools.make_tiny_model import deepen_model
 
 torch.set_num_threads(1)
 
@@ -177,8 +179,26 @@ LOSSLESS_CASES = [  # (sampling, k, samples in the default run); the slow varian
 ]
 
 
-def _check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eagle") -> None:
+def lossless_model(shape: str):
+    """The chi-square tests' policy: 2 layers, or that model deepened to 12 (tools/make_tiny_model.py
+    --deepen, the long-tail benchmarks' policy shape: the same function in 12 layers' caches), or deepened
+    with its added layers' zero output projections perturbed, so that all 12 layers change the output."""
     model = make_model("qwen2", seed=4, vocab=8)
+    if shape == "layers2":
+        return model
+    deep = deepen_model(model, 12)
+    if shape == "deepened12-perturbed":
+        gen = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for i, layer in enumerate(deep.model.layers):
+                if i % 6:  # the copies; layer 6 is the source's second layer
+                    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                        proj.weight.copy_(0.3 * torch.randn(proj.weight.shape, generator=gen))
+    return deep
+
+
+def _check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eagle", shape: str = "layers2") -> None:
+    model = lossless_model(shape)
     drafter = Drafter.for_policy(model, seed=5)  # untrained: many rejections, some acceptances
     prompt = [1, 5, 3]
     probs = exact_sequence_probs(model, prompt, sampling.max_new_tokens, sampling)
@@ -194,6 +214,23 @@ def _check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eag
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
 def test_sampled_sequences_follow_the_policy_exactly(sampling, k, num, kind):
     _check_lossless(sampling, k, num, kind)
+
+
+@pytest.mark.parametrize("shape", [pytest.param("deepened12", marks=pytest.mark.slow), "deepened12-perturbed"])
+@pytest.mark.parametrize("kind", ["eagle", "suffix"])
+@pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
+def test_sampled_sequences_follow_the_policy_exactly_12_layers(sampling, k, num, kind, shape):
+    _check_lossless(sampling, k, num, kind, shape)
+
+
+def test_deepened_policy_computes_the_same_function():
+    # The drafter reads the policy's last hidden states: the deepened policy's are the source's, bit for
+    # bit, so one drafter serves both (tools/benches/spec.py --workload longtail relies on it).
+    source, deep = lossless_model("layers2"), lossless_model("deepened12")
+    assert deep.config.num_hidden_layers == 12
+    ids = torch.tensor([[1, 5, 3, 2, 7, 0, 4]])
+    with torch.inference_mode():
+        assert torch.equal(deep.model(input_ids=ids).last_hidden_state, source.model(input_ids=ids).last_hidden_state)
 
 
 @pytest.mark.slow

@@ -2,6 +2,14 @@
 default tiny model after online drafter training, in one run.
 
     python tools/bench.py spec [--quick] [--json]
+    python tools/bench.py spec --workload longtail [--quick] [--json]   # the policy deepened to 12 layers
+
+--workload longtail measures the shipped policy deepened to 12 layers (tools/make_tiny_model.py --deepen:
+the same function, 12 layers' compute, so the one-layer drafter is 1/12 of a policy step, nearer a real
+model's share): its figures at the top level, num_layers 12, and the 4-layer figures of the same run
+beside them (four_layer). The deepened policy's last hidden states, the drafter's features, are the
+source's (last_hidden_max_abs_diff, 0 when bit for bit), so its drafter, trained on its own rollouts as
+below, also drafts for the 4-layer policy (four_layer_same_drafter); otherwise that one trains its own.
 
 Phases, one process, one torch thread (a generator's setting):
     rollouts   plain decoding of task prompts at temperature 1 with a fresh drafter attached at depth 0:
@@ -41,6 +49,11 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 GROUP_SIZE = 8  # sampling.group_size's default: samples per prompt, queued together
 # The bandits raced against plain decoding: drafters each may use (off is always an arm).
 BANDITS = {"spec": ("eagle", "suffix"), "eagle": ("eagle",), "model_free": ("suffix",)}
+DEEP_LAYERS = 12  # --workload longtail: the policy's depth (a real model's drafter is 1/24 to 1/64 of it)
+# The 4-layer figures printed beside the deep policy's.
+FOUR_LAYER_KEYS = ("speedup", "speedup_eagle", "speedup_model_free", "speedup_by_batch", "speedup_eagle_by_batch",
+                   "speedup_model_free_by_batch", "bandit_arm_by_batch", "accept_rate_eagle", "accept_rate_suffix",
+                   "plain_step_ms", "spec_draft_ms", "spec_verify_ms", "tv_distance", "tv_noise_floor")
 
 
 def _sizes(quick: bool) -> dict:
@@ -223,23 +236,23 @@ def _tv(a, b) -> float:
     return 0.5 * float((a / a.sum() - b / b.sum()).abs().sum())
 
 
-def run(quick: bool, log: Callable[[str], None]) -> dict:
+def _measure(model_path: str, sizes: dict, log, drafter=None) -> dict:
+    """Every figure of one policy; the drafter is trained on the policy's own rollouts unless given."""
     import torch
 
     from tailrace.engine.drafter import Drafter
     from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
-    sizes = _sizes(quick)
-    model_path = os.environ.get("TAILRACE_BENCH_MODEL", "tiny")
     model = load_model(model_path)
     model.requires_grad_(False)
     tokenizer = load_tokenizer(model_path)
     eos = eos_token_ids(model, tokenizer)
-    drafter = Drafter.for_policy(model, seed=0)
-    traces = collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
-    figures = train_drafter(drafter, traces, sizes["train_s"], log)
+    figures = {"num_layers": model.config.num_hidden_layers}
+    if drafter is None:
+        drafter = Drafter.for_policy(model, seed=0)
+        traces = collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
+        figures |= train_drafter(drafter, traces, sizes["train_s"], log)
     decode_prompts = _prompts(tokenizer, sizes["num_decode_prompts"], seed=2, min_chars=20)
     warmup_prompts = _prompts(tokenizer, sizes["num_warmup_prompts"], seed=4, min_chars=20)
     by_batch = {b: _throughput(model, drafter, eos, decode_prompts, warmup_prompts, b, log) for b in BATCH_SIZES}
@@ -250,6 +263,63 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     tv, floor = _tv(spec, plain_a), _tv(plain_b, plain_a)
     log(f"tv: spec vs plain {tv:.4f}, plain vs plain {floor:.4f} ({int(spec.sum())} / {int(plain_a.sum())} tokens; "
         f"speculative steps by drafter {tv_steps})")
+    return _figures(by_batch, tv, floor, tv_steps) | figures, drafter
+
+
+def _last_hidden_diff(deep_path: str, shallow_path: str, prompts: list[list[int]]) -> float:
+    """Largest |difference| of the two policies' last hidden states (after the final norm: the drafter's
+    features) over the prompts' tokens."""
+    import torch
+
+    from tailrace.engine.models import load_model
+
+    deep, shallow = load_model(deep_path), load_model(shallow_path)
+    worst = 0.0
+    with torch.inference_mode():
+        for ids in prompts:
+            ids_1T = torch.tensor([ids])
+            a = deep.model(input_ids=ids_1T).last_hidden_state
+            b = shallow.model(input_ids=ids_1T).last_hidden_state
+            worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def run(quick: bool, log: Callable[[str], None], workload_name: str = "default") -> dict:
+    """default: the shipped 4-layer policy. longtail: the shipped policy deepened to DEEP_LAYERS layers (the
+    same function; tools/make_tiny_model.py --deepen), its drafter trained on its own rollouts as above,
+    with the 4-layer figures of the same drafter beside it (four_layer)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    torch.set_num_threads(1)
+    sizes = _sizes(quick)
+    model_path = os.environ.get("TAILRACE_BENCH_MODEL", "tiny")
+    load_before = round(os.getloadavg()[0], 2)
+    if workload_name == "default":
+        return _measure(model_path, sizes, log)[0] | {"load_1m_before": load_before,
+                                                       "load_1m_after": round(os.getloadavg()[0], 2)}
+    if workload_name != "longtail":
+        raise ValueError(f"--workload: {workload_name!r} is not one of default, longtail")
+    from tailrace.engine.models import load_tokenizer, resolve_model_path
+    from tools.make_tiny_model import deepen
+
+    with tempfile.TemporaryDirectory(prefix="tailrace-bench-spec-") as work:
+        deep_path = str(deepen(Path(resolve_model_path(model_path)), Path(work) / "policy", DEEP_LAYERS))
+        log(f"policy deepened to {DEEP_LAYERS} layers in {deep_path}; load (1 min) {os.getloadavg()[0]:.2f}")
+        hidden_diff = _last_hidden_diff(deep_path, model_path, _prompts(load_tokenizer(model_path), 16, seed=5))
+        log(f"last hidden states, {DEEP_LAYERS} layers vs the source: max |difference| {hidden_diff:.3g}")
+        deep, drafter = _measure(deep_path, sizes, log)
+    # The deepened policy's features are the source's (hidden_diff), so its drafter is the source's too.
+    shallow = _measure(model_path, sizes, log, drafter=drafter)[0] if hidden_diff <= 1e-5 else \
+        _measure(model_path, sizes, log)[0]
+    four_layer = {key: shallow[key] for key in FOUR_LAYER_KEYS}
+    return {**deep, "last_hidden_max_abs_diff": hidden_diff, "four_layer_same_drafter": hidden_diff <= 1e-5,
+            "four_layer": four_layer, "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
+
+
+def _figures(by_batch: dict, tv: float, floor: float, tv_steps: dict) -> dict:
     one = by_batch[1]
     spec_runs = [r["spec"] for r in by_batch.values()]
     accepted, row_steps = sum(r["accepted"] for r in spec_runs), sum(r["row_steps"] for r in spec_runs)
@@ -289,5 +359,4 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
         "tv_noise_floor": round(floor, 4),
         "tv_spec_steps_by_drafter": tv_steps,
         "speedup_target": SPEEDUP_TARGET,
-        **figures,
     }
