@@ -21,8 +21,9 @@ from tools import plot, timeline, top
 
 ROOT = Path(__file__).resolve().parents[2]
 # Long enough that every process publishes (on an idle machine 4 steps end before the second generator
-# and the reward server say anything), and a batch of 4 so that both generators get work.
-RUN = ["--train.steps", "12", "--train.groups_per_step", "2", "--sampling.group_size", "4",
+# and the reward server say anything; under load 12 steps once ended before a generator whose first Hello
+# went unanswered for ~8 s joined), and a batch of 4 so that both generators get work.
+RUN = ["--train.steps", "24", "--train.groups_per_step", "2", "--sampling.group_size", "4",
        "--sampling.max_new_tokens", "24", "--trainer.bind", "tcp://127.0.0.1:0", "--trainer.stats_interval_s", "0.3",
        "--generator.max_batch_size", "4", "--no-progress"]
 
