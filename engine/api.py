@@ -14,6 +14,7 @@ Test: pytest tests/engine/test_api.py
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import tempfile
@@ -22,7 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.config import RunConfig, config_data, from_dict, to_dict
+import tomli_w
+
+from tailrace.engine.config import RunConfig, apply_overrides, config_data, from_dict, to_dict
 
 ScoreFn = Callable[[str, str, dict[str, Any]], Any]
 
@@ -111,15 +114,15 @@ def run(config: RunConfig | dict[str, Any] | str | Path | None = None, *, overri
     from tailrace.engine import launch
 
     data = config_table(config)
+    # every setting checked before anything starts, as the CLI does
+    cfg = from_dict(RunConfig, apply_overrides(copy.deepcopy(data), list(overrides)))
+    if not cfg.trainer.run_name:  # named here so that the result can point at the folder
+        cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+        data.setdefault("trainer", {})["run_name"] = cfg.trainer.run_name
+    reward = _user_reward(reward_fn, reward_tasks)
     with tempfile.TemporaryDirectory(prefix="tailrace-api-") as folder:
         path = Path(folder) / "config.toml"
-        path.write_text(_toml(data))
-        cfg = from_dict(RunConfig, config_data(path, list(overrides)))  # every setting checked, as the CLI does
-        if not cfg.trainer.run_name:  # named here so that the result can point at the folder
-            data.setdefault("trainer", {})["run_name"] = time.strftime("run-%Y%m%d-%H%M%S")
-            path.write_text(_toml(data))
-            cfg = from_dict(RunConfig, config_data(path, list(overrides)))
-        reward = _user_reward(reward_fn, reward_tasks)
+        path.write_text(tomli_w.dumps(data))
         args = argparse.Namespace(role="run", config=str(path), resume=resume, no_progress=not progress, nproc=1)
         code = launch.main(args, list(overrides), reward=reward)
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
@@ -129,8 +132,3 @@ def run(config: RunConfig | dict[str, Any] | str | Path | None = None, *, overri
         raise RunFailed(f"tailrace.run: the run stopped (exit {code}); its logs are in {run_dir / 'logs'}", run_dir)
     return RunResult(run_dir=run_dir, summary=summary)
 
-
-def _toml(data: dict[str, Any]) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(data)
