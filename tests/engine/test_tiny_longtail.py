@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,10 @@ def test_shipped_longtail_policy_loads_and_is_its_recipes_model():
     folder = models.SHIPPED_MODELS["tiny_longtail"]
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 8e6
     # The recipe in the docstring and README builds this shape: same config, same generation defaults.
+    recipe = " ".join(make_tiny_model.LONGTAIL_RECIPE)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert recipe in " ".join(make_tiny_model.__doc__.replace("\\\n", " ").split())
+    assert recipe in " ".join(readme.replace("\\\n", " ").split())
     args = make_tiny_model.parse_args(make_tiny_model.LONGTAIL_RECIPE)
     assert args.task == "reverse_longtail" and args.out.name == folder.name
     built = make_tiny_model.build_model(make_tiny_model.build_tokenizer(), args.hidden_size, args.num_layers,
@@ -56,7 +61,7 @@ def test_loguniform_pretraining_lengths_fill_every_octave_up_to_the_cap():
 def test_curriculum_cap_grows_from_short_strings_to_the_longest():
     caps = [make_tiny_model.curriculum_cap(step, 100, 128) for step in range(0, 150)]
     assert caps[0] == 8 and caps[100] == caps[-1] == 128 and max(caps) == 128
-    assert all(a <= b for a, b in zip(caps, caps[1:])) and caps[50] == 68
+    assert all(a <= b for a, b in zip(caps[:-1], caps[1:], strict=True)) and caps[50] == 68
     assert make_tiny_model.curriculum_cap(0, 0, 128) == 128
 
 
