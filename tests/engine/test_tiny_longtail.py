@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine import models, tasks
+from tailrace.engine import models, preflight, tasks
 from tools import make_tiny_model
 
 
@@ -22,6 +22,8 @@ def test_shipped_longtail_policy_loads_and_is_its_recipes_model():
     tokenizer = models.load_tokenizer("tiny_longtail")
     assert model.config.num_hidden_layers >= 12
     folder = models.SHIPPED_MODELS["tiny_longtail"]
+    assert models.resolve_model_path("tiny_longtail") == str(folder)
+    preflight.check_model_path("tiny_longtail")  # model.path = "tiny_longtail" names it
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 8e6
     # The recipe in the docstring and README builds this shape: same config, same generation defaults.
     recipe = " ".join(make_tiny_model.LONGTAIL_RECIPE)
