@@ -1,7 +1,7 @@
 """Loading policy models and tokenizers: local Hugging Face checkpoints of the supported families.
 
-`load_model("tiny")` loads the tiny model shipped under examples/tiny/ (built by
-tools/make_tiny_model.py); any other name is a checkpoint folder (or, where the Hub is reachable, a
+`load_model("tiny")` loads the tiny model shipped under examples/tiny/, "tiny_longtail" the 12-layer one
+under examples/tiny_longtail/ (both built by tools/make_tiny_model.py); any other name is a checkpoint folder (or, where the Hub is reachable, a
 Hub id). Only architectures the torch backend and branch-replay are tested on are accepted.
 Test: pytest tests/engine/test_backend.py
 """
@@ -16,6 +16,10 @@ from typing import Any
 TINY_MODEL_PATH = Path(__file__).resolve().parents[1] / "examples" / "tiny"
 """The shipped tiny model (a source checkout or editable install; examples/ is not packaged)."""
 
+SHIPPED_MODELS = {"tiny": TINY_MODEL_PATH, "tiny_longtail": TINY_MODEL_PATH.parent / "tiny_longtail"}
+"""Names of the shipped models: "tiny" (4 layers, task reverse) and "tiny_longtail" (12 layers, task
+reverse_longtail: the long-tail benchmarks' policy), both built by tools/make_tiny_model.py."""
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Hugging Face `model_type`s of the supported families."""
 
@@ -23,14 +27,15 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def resolve_model_path(path_or_name: str | Path) -> str:
-    """"tiny" -> the shipped tiny model; anything else unchanged. Raises ValueError when "tiny" is
-    asked for but not present (a checkout without examples/)."""
-    if str(path_or_name) == "tiny":
-        if not (TINY_MODEL_PATH / "config.json").is_file():
-            raise ValueError(f"the shipped tiny model is missing: no config.json in {TINY_MODEL_PATH} "
-                             "(run tools/make_tiny_model.py)")
-        return str(TINY_MODEL_PATH)
-    return str(path_or_name)
+    """A name of SHIPPED_MODELS ("tiny") -> its folder; anything else unchanged. Raises ValueError when a
+    shipped model is asked for but not present (a checkout without examples/)."""
+    folder = SHIPPED_MODELS.get(str(path_or_name))
+    if folder is None:
+        return str(path_or_name)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"the shipped model {path_or_name!r} is missing: no config.json in {folder} "
+                         "(run tools/make_tiny_model.py)")
+    return str(folder)
 
 
 def check_supported(config: Any) -> None:

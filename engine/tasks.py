@@ -4,7 +4,7 @@ The default task, ``reverse``: the prompt is ``rev:<s>=`` where ``<s>`` is a ran
 and the answer is ``<s>`` reversed, then EOS (``rev:abcde=`` -> ``edcba``). ``copy`` is the same with
 ``copy:<s>=`` and the answer ``<s>``. The length of ``<s>`` is log-normal (median 6, sigma 0.8, from 1
 to 64 characters), so response lengths are heavy-tailed: p99 is about 6x the median. ``reverse_longtail``
-is ``reverse`` (same prompts, same reward) with median 2, sigma 1.5, up to 128: p99 about 30x the median. All
+is ``reverse`` (same prompts, same reward) with median 1.2, sigma 1.8, up to 128: p99 about 30x the median. All
 samples of a group share the prompt, and a policy that has learnt the task shares the first answer
 characters too.
 
@@ -68,7 +68,7 @@ _TASKS: dict[str, _StringTask] = {
     "reverse": _StringTask(prefix="rev:", transform=lambda s: s[::-1]),
     "copy": _StringTask(prefix="copy:", transform=lambda s: s),
     # The long-tail workload (tools/bench.py pipeline --workload longtail): reverse, with string lengths
-    # of median 2 and sigma 1.5 (up to 128), so that p99 is about 30x the median, as in the papers'.
+    # of median 1.2 and sigma 1.8 (up to 128), so that p99 is about 30x the median, as in the papers'.
     "reverse_longtail": _StringTask(prefix="rev:", transform=lambda s: s[::-1], length_median=1.2,
                                     length_sigma=1.8, max_length=128),
 }
@@ -98,10 +98,21 @@ def make_prompt(task: str, seed: int, index: int, *, split: str = "train") -> Pr
     # Seeding with a str goes through sha512: stable across processes, whatever PYTHONHASHSEED is.
     rng = random.Random(f"{task}:{seed}:{index}" if split == "train" else f"{task}:{seed}:{split}:{index}")
     length = sample_length(rng, spec.length_median, spec.length_sigma, spec.max_length)
-    s = "".join(rng.choice(ALPHABET) for _ in range(length))
+    return prompt_for_string(task, "".join(rng.choice(ALPHABET) for _ in range(length)), index)
+
+
+def prompt_for_string(task: str, s: str, index: int = 0) -> Prompt:
+    """The prompt of ``task`` for the random string ``s`` (pretraining draws its own lengths:
+    tools/make_tiny_model.py --lengths)."""
+    spec = _task(task)
     answer = spec.transform(s)
     metadata: dict[str, MetadataValue] = {"task": task, "answer": answer, "length": len(answer)}
     return Prompt(prompt_id=index, text=f"{spec.prefix}{s}=", task=task, metadata=metadata)
+
+
+def max_length(task: str) -> int:
+    """The longest random string of ``task``'s prompts."""
+    return _task(task).max_length
 
 
 def synthetic_prompts(task: str = DEFAULT_TASK, seed: int = 0, start: int = 0, *,

@@ -98,9 +98,8 @@ class Workload:
     group_size: int = 8
     max_new_tokens: int = 64
     max_batch_size: int = 32
-    model_path: str = ""  # "" = the shipped tiny model
+    model_path: str = ""  # "" = the shipped tiny model; a shipped name (engine/models.py) or a folder
     task: str = ""  # "" = the default task
-    deepen_to: int = 0  # > 0: the policy is the shipped model deepened to this many layers, built at bench time
     modelled_steps: int = 12  # the modelled modes cost sleeps, not CPU: enough steps that pipeline fill is small
 
     def overrides(self) -> list[str]:
@@ -119,13 +118,13 @@ class Workload:
 def workload(name: str, quick: bool) -> Workload:
     """default: the default task on the shipped tiny model. longtail: like the papers' (response lengths
     with p99 / median >= 8, rollout most of a synchronous step): the reverse_longtail task (engine/tasks.py),
-    max_new_tokens 256, on the shipped policy deepened to 12 layers (tools/make_tiny_model.py --deepen),
-    4 groups of 8 per step."""
+    max_new_tokens 256, on the shipped 12-layer policy trained on that task (examples/tiny_longtail, model
+    name "tiny_longtail"; recipe in tools/make_tiny_model.py), 4 groups of 8 per step."""
     if name == "default":
         return Workload(steps=3 if quick else 12)
     if name == "longtail":
         return Workload(steps=4 if quick else 12, groups_per_step=4, max_new_tokens=256, task="reverse_longtail",
-                        deepen_to=12)
+                        model_path="tiny_longtail")
     raise ValueError(f"--workload: {name!r} is not one of default, longtail")
 
 
@@ -266,7 +265,7 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     Costs(decode_step_s=decode, prefill=LinearCost.fit(prefill), train=train, completions=completions,
           info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
                 "load_1m_before": load_before, "load_1m_after": load_1m(), "train_points": train_points,
-                "data_seed": MEASURE_DATA_SEED}).save(path)
+                "data_seed": MEASURE_DATA_SEED, "num_layers": model.config.num_hidden_layers}).save(path)
 
 
 def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str], None]) -> None:
@@ -469,15 +468,8 @@ def _timeline(run_dir: Path, mode: str, out: Path, traces: dict[str, list[dict]]
 
 
 def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, workload_name: str = "default") -> dict:
-    from dataclasses import replace
-
     w = workload(workload_name, quick)
     work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-"))
-    if w.deepen_to:
-        from tailrace.engine.models import resolve_model_path
-        from tools.make_tiny_model import deepen
-
-        w = replace(w, model_path=str(deepen(Path(resolve_model_path("tiny")), work / "policy", w.deepen_to)))
     log(f"workload {workload_name}: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} "
         "(removed unless the benchmark fails)")
     _preload(w.model_path or "tiny")
@@ -569,7 +561,7 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
             "rollout_share_sync": round(_mean(results["sync"], "idle_trainer"), 3),
             "rollout_share_modelled_sync": round(_mean(results["modelled_sync"], "idle_trainer"), 3),
             "scheduler_efficiency": round((ms / mt) / (ms / busiest), 3),
-            "num_layers": w.deepen_to or None, "task": w.task or "default",
+            "num_layers": costs.info.get("num_layers"), "task": w.task or "default",
             "measure_wall_over_cpu": round(costs.info.get("wall_over_cpu", float("nan")), 2),
             "load_1m": {mode: [r["load_1m"] for r in runs] for mode, runs in results.items()}}
     return out
