@@ -148,12 +148,22 @@ class Drafter(nn.Module):
         """Next-token logits from (predicted) hidden states, through the policy's own (frozen) LM head."""
         return F.linear(hidden_BTH, self._frozen[1], self._frozen[2])
 
-    def forward(self, ids_BT: torch.Tensor, features_BTH: torch.Tensor, positions_BT: torch.Tensor,
-                mask_B1TK: torch.Tensor, cache=None, layer_idx: int = 0) -> torch.Tensor:
+    def rotary(self, positions_BT: torch.Tensor) -> torch.Tensor:
+        """The rotary factors [B, 1, T, head_dim / 2] of these positions, as forward() takes them: drafting
+        looks up a step's k positions once instead of once per drafted token."""
+        if self._rope_turns.device != positions_BT.device:
+            with torch.inference_mode(False):  # kept for training too, so never an inference tensor
+                self._rope_turns = self._rope_turns.to(positions_BT.device)
+        return self._rope_turns[positions_BT][:, None]
+
+    def forward(self, ids_BT: torch.Tensor, features_BTH: torch.Tensor, positions_BT: torch.Tensor | None,
+                mask_B1TK: torch.Tensor, cache=None, layer_idx: int = 0,
+                turns_B1Tc: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted hidden states ĥ [B, T, H]. features_BTH[:, t] is the hidden state of the token
         before ids_BT[:, t]. With `cache` (a SlotKVCache with its window set by the caller) the new
         keys/values are stored at `layer_idx` and the mask [B, 1, T, K] covers the visible columns;
-        without it the mask is [B, 1, T, T] over these tokens alone (training on packed samples)."""
+        without it the mask is [B, 1, T, T] over these tokens alone (training on packed samples).
+        turns_B1Tc: rotary(positions_BT), when the caller has it (then positions_BT is not read)."""
         # Functional calls on the layer's own parameters: drafting runs this once per drafted token, and
         # on a CPU every nn.Module call and every dispatched op costs microseconds.
         c, hidden = self.config, (self.config.hidden_size,)
@@ -166,10 +176,9 @@ class Drafter(nn.Module):
         normed = F.rms_norm(x, hidden, self.input_norm.weight, c.rms_norm_eps)
         qkv = F.linear(normed, self.qkv.weight).view(batch, num_new, num_qk + c.num_kv_heads, c.head_dim)
         qkv = qkv.transpose(1, 2)  # [B, heads of q, k and v, T, d]
-        if self._rope_turns.device != x.device:
-            with torch.inference_mode(False):  # kept for training too, so never an inference tensor
-                self._rope_turns = self._rope_turns.to(x.device)
-        qk = _rotate(qkv[:, :num_qk], self._rope_turns[positions_BT][:, None])  # q and k in one go
+        if turns_B1Tc is None:
+            turns_B1Tc = self.rotary(positions_BT)
+        qk = _rotate(qkv[:, :num_qk], turns_B1Tc)  # q and k in one go
         q, k, v = qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, num_qk:]
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)

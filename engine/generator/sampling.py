@@ -52,6 +52,7 @@ class SamplingBatch:
     any_truncation: bool
     any_top_p: bool
     max_top_k: int               # largest top_k in use (0 if none)
+    unit_divisor: bool = False   # every divisor is 1 (temperatures 1 and 0): dividing would change nothing
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -73,6 +74,7 @@ class SamplingBatch:
             any_truncation=any(truncates),
             any_top_p=any(p < 1.0 for p in top_ps),
             max_top_k=max(top_ks, default=0),
+            unit_divisor=all(t in (0.0, 1.0) for t in temps),
         )
 
     def __len__(self) -> int:
@@ -127,8 +129,9 @@ def processed_logprobs(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.T
     logits_BV = logits_BV.float()
     if batch.all_greedy:
         return _one_hot_logprobs(logits_BV)
-    # Greedy rows are divided by 1 only to stay finite; their result is replaced below.
-    scaled_BV = logits_BV / batch.divisor_B1
+    # Greedy rows are divided by 1 only to stay finite; their result is replaced below. x / 1 == x
+    # exactly, so a batch at temperature 1 skips the op (every drafted token pays for each op).
+    scaled_BV = logits_BV if batch.unit_divisor else logits_BV / batch.divisor_B1
     if batch.any_truncation:
         scaled_BV = _truncate(scaled_BV, batch)
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)

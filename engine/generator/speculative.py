@@ -179,16 +179,23 @@ def accept_drafts(p_logprobs_BNV: torch.Tensor, q_logprobs_BKV: torch.Tensor, dr
     [B, k+1, V]; q: the drafter's at the k drafted ones [B, k, V]; drafts were drawn from q.
     Returns (num_accepted [B], tokens [B, k+1], policy log-probs of those tokens [B, k+1]): row b emits
     tokens[b, :num_accepted[b] + 1]; later entries are meaningless."""
+    return accept_drafts_q_probs(p_logprobs_BNV, q_logprobs_BKV.exp(), drafts_BK, u_accept_BK, u_final_B)
+
+
+def accept_drafts_q_probs(p_logprobs_BNV: torch.Tensor, q_probs_BKV: torch.Tensor, drafts_BK: torch.Tensor,
+                          u_accept_BK: torch.Tensor, u_final_B: torch.Tensor):
+    """accept_drafts with q given as probabilities, exp(q log-probs): drafting has them already, having
+    drawn from them (the same values, so the same rule bit for bit)."""
     batch, num_drafts = drafts_BK.shape
     p_draft_BK = p_logprobs_BNV[:, :num_drafts].gather(-1, drafts_BK[..., None]).squeeze(-1).exp()
-    q_draft_BK = q_logprobs_BKV.gather(-1, drafts_BK[..., None]).squeeze(-1).exp()
+    q_draft_BK = q_probs_BKV.gather(-1, drafts_BK[..., None]).squeeze(-1)
     # u < p/q without dividing; q(d) > 0 because d was drawn from q.
     kept_BK = u_accept_BK * q_draft_BK < p_draft_BK
     num_accepted_B = kept_BK.to(torch.int64).cumprod(-1).sum(-1)
     rows_B = torch.arange(batch, device=drafts_BK.device)
     p_at_BV = p_logprobs_BNV[rows_B, num_accepted_B].exp()
     # q is 0 after the last draft, so "all accepted" draws from p_{k+1} itself.
-    q_pad_BNV = torch.cat((q_logprobs_BKV.exp(), torch.zeros_like(q_logprobs_BKV[:, :1])), dim=1)
+    q_pad_BNV = torch.cat((q_probs_BKV, torch.zeros_like(q_probs_BKV[:, :1])), dim=1)
     residual_BV = (p_at_BV - q_pad_BNV[rows_B, num_accepted_B]).clamp_min(0.0)
     return _finish(p_logprobs_BNV, drafts_BK, num_accepted_B, p_at_BV, residual_BV, u_final_B)
 
@@ -222,12 +229,15 @@ def _finish(p_logprobs_BNV: torch.Tensor, drafts_BK: torch.Tensor, num_accepted_
     return num_accepted_B, tokens_BN, logprobs_BN
 
 
-def sample_probs(weights_BV: torch.Tensor, uniforms_B1: torch.Tensor) -> torch.Tensor:
+def sample_probs(weights_BV: torch.Tensor, uniforms_B1: torch.Tensor, out_B1: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse-CDF draw [B, 1] from non-negative, unnormalised weights and uniforms [B, 1]; zero-weight
-    tokens never come out (rounding can put the target at the total: the last token with mass wins)."""
+    tokens never come out (rounding can put the target at the total: the last token with mass wins).
+    out_B1: where to write the draw (a column of a preallocated [B, k] buffer)."""
     cdf_BV = torch.cumsum(weights_BV, dim=-1)
     tokens_B1 = torch.searchsorted(cdf_BV, uniforms_B1 * cdf_BV[:, -1:], right=True)
-    return torch.minimum(tokens_B1, cdf_BV.argmax(-1, keepdim=True))
+    if out_B1 is None:
+        return torch.minimum(tokens_B1, cdf_BV.argmax(-1, keepdim=True))
+    return torch.minimum(tokens_B1, cdf_BV.argmax(-1, keepdim=True), out=out_B1)
 
 
 def draw_uniforms_many(generators, num: int, device) -> torch.Tensor:
@@ -268,6 +278,7 @@ class SpeculativeDecoder:
         self.traces: deque[Trace] = deque(maxlen=max_traces)
         self._batches: dict[int, SamplingBatch] = {}
         self._batch_of: SamplingBatch | None = None
+        self._arange_of: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ bookkeeping hooks (plain paths)
 
@@ -347,7 +358,7 @@ class SpeculativeDecoder:
             num_accepted_B, tokens_BN, logprobs_BN = accept_point_drafts(
                 p_BNV, drafts_BK, uniforms_BU[:, :k], uniforms_BU[:, k])
         else:
-            num_accepted_B, tokens_BN, logprobs_BN = accept_drafts(
+            num_accepted_B, tokens_BN, logprobs_BN = accept_drafts_q_probs(
                 p_BNV, q_BKV, drafts_BK, uniforms_BU[:, k:2 * k], uniforms_BU[:, 2 * k])
         # Host clocks: on an accelerator they time the launches unless something synchronises (the
         # backend's commit does, right after).
@@ -403,7 +414,7 @@ class SpeculativeDecoder:
 
     def _draft(self, num_rows: int, k: int, batch: SamplingBatch, u_BK: torch.Tensor):
         """Catch the drafter up to the pending token, then draft k tokens. Returns (drafts [B, k],
-        the drafter's processed log-probs [B, k, V])."""
+        the drafter's processed probabilities [B, k, V], exp of its processed log-probs)."""
         b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
         end = kv.end
         # The pending column and the k - 1 draft columns the drafter itself writes; a forward at column
@@ -417,24 +428,35 @@ class SpeculativeDecoder:
         mask = kv.attention_mask(rows, start, end + 1 - start, kv.lo)
         window = slice(start, end + 1)
         # forward() called directly: nn.Module.__call__'s hook handling costs more than it does here.
-        forward = self.drafter.forward
+        # Every op of the loop below runs k times per step, and on a CPU each dispatch costs about as
+        # much as its arithmetic: so the rotary factors of the k positions are looked up once, and the
+        # draws and probabilities are written into their [B, k] buffers instead of being concatenated.
+        forward, logits = self.drafter.forward, self.drafter.logits
         hidden_B1H = forward(self.ids_RC[rows, window], self.feats_RCH[rows, window], self.pos_RC[rows, window],
                              mask, cache=kv, layer_idx=self.layer)[:, -1:]
         self.stale_back = self._stale_carry = 0
-        drafts, q_logprobs = [], []
-        positions_BK = b._pos_R[rows, None] + torch.arange(k, device=b.device)
+        turns_B1Kc = self.drafter.rotary(b._pos_R[rows, None] + self._aranges(k))
+        drafts_BK, q_BKV = torch.empty(num_rows, k, dtype=torch.long, device=b.device), None
         # One-token draft forwards: their masks are prefixes of this one (columns lo .. end + k - 1).
         mask_B11K = kv.valid_RC[rows, kv.lo:end + k][:, None, None]
         for j in range(k):
             if j > 0:
                 col = end + j
                 kv.set_window(rows, col, kv.lo)
-                hidden_B1H = forward(drafts[-1], hidden_B1H, positions_BK[:, j:j + 1],
-                                     mask_B11K[..., :col + 1 - kv.lo], cache=kv, layer_idx=self.layer)
-            q_BV = processed_logprobs(self.drafter.logits(hidden_B1H[:, 0]), batch)
-            drafts.append(sample_probs(q_BV.exp(), u_BK[:, j:j + 1]))
-            q_logprobs.append(q_BV)
-        return torch.cat(drafts, dim=1), torch.stack(q_logprobs, dim=1)
+                hidden_B1H = forward(drafts_BK[:, j - 1:j], hidden_B1H, None, mask_B11K[..., :col + 1 - kv.lo],
+                                     cache=kv, layer_idx=self.layer, turns_B1Tc=turns_B1Kc[:, :, j:j + 1])
+            q_logprobs_BV = processed_logprobs(logits(hidden_B1H[:, 0]), batch)
+            if q_BKV is None:
+                q_BKV = q_logprobs_BV.new_empty(num_rows, k, q_logprobs_BV.shape[-1])
+            q_BV = torch.exp(q_logprobs_BV, out=q_BKV[:, j])
+            sample_probs(q_BV, u_BK[:, j:j + 1], out_B1=drafts_BK[:, j:j + 1])
+        return drafts_BK, q_BKV
+
+    def _aranges(self, num: int) -> torch.Tensor:
+        """0 .. num - 1 on the device, made once per length."""
+        if num not in self._arange_of:
+            self._arange_of[num] = torch.arange(num, device=self.backend.device)
+        return self._arange_of[num]
 
     def _verify(self, num_rows: int, k: int, drafts_BK: torch.Tensor):
         """One policy forward over [pending, drafts]: hidden [B, k+1, H] and processed log-probs."""
@@ -444,7 +466,7 @@ class SpeculativeDecoder:
         kv.set_window(rows, end, kv.lo)
         mask = kv.attention_mask(rows, end, k + 1, kv.lo)
         ids_BN = torch.cat((b._pending_R[rows, None], drafts_BK), dim=1)
-        positions_BN = b._pos_R[rows, None] + torch.arange(k + 1, device=b.device)
+        positions_BN = b._pos_R[rows, None] + self._aranges(k + 1)
         hidden_BNH = b._forward(ids_BN, positions_BN, mask)
         logits_MV = b._lm_head(hidden_BNH).flatten(0, 1)
         p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
@@ -459,7 +481,7 @@ class SpeculativeDecoder:
         b, kv, k = self.backend, self.backend._kv, arm.k
         num_rows = tokens_BN.shape[0]
         rows, end = slice(0, num_rows), kv.end
-        arange_N = torch.arange(k + 1, device=b.device)
+        arange_N = self._aranges(k + 1)
         # The pending token and the first num_emit - 1 drafts stay; the last emitted token is pending.
         kv.valid_RC[rows, end:end + k + 1] = arange_N[None, :] < num_emit_B[:, None]
         self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]

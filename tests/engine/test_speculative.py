@@ -241,12 +241,15 @@ def test_sampled_sequences_follow_the_policy_exactly_100k(sampling, k, num, kind
 
 
 def test_chi_square_detects_a_lossy_rule(monkeypatch):
-    # The same test must fail for a rule that keeps every draft (the drafter's distribution).
-    def accept_all(p, q, drafts, u_accept, u_final):
-        num, tokens, logprobs = accept_drafts(p, q, drafts, torch.zeros_like(u_accept), u_final)
+    # The same test must fail for a rule that keeps every draft (the drafter's distribution). The
+    # speculative step calls the rule with q as probabilities (accept_drafts_q_probs).
+    rule = speculative.accept_drafts_q_probs
+
+    def accept_all(p, q_probs, drafts, u_accept, u_final):
+        num, tokens, logprobs = rule(p, q_probs, drafts, torch.zeros_like(u_accept), u_final)
         return torch.full_like(num, drafts.shape[1]), tokens, logprobs
 
-    monkeypatch.setattr(speculative, "accept_drafts", accept_all)
+    monkeypatch.setattr(speculative, "accept_drafts_q_probs", accept_all)
     model = make_model("qwen2", seed=4, vocab=8)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
     probs = exact_sequence_probs(model, [1, 5, 3], 3, sampling)
@@ -450,6 +453,40 @@ def _check_drafter_cache(model, trained_drafter, backend):
         assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
         torch.testing.assert_close(kv.keys[spec.layer][row][:, cols], cache.keys[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kv.values[spec.layer][row][:, cols], cache.values[0], atol=1e-4, rtol=1e-4)
+
+
+def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_drafter):
+    # The drafting loop's shortcuts (cached drafter keys, rotary factors looked up once per step, draws
+    # written into preallocated buffers) compute what one cacheless drafter forward over the row's
+    # tokens, true features and then its own drafts and predicted features computes, draft by draft.
+    backend = spec_backend(model, trained_drafter, 4, max_batch_size=2, max_model_len=48)
+    spec, kv, checked = backend._spec, backend._kv, []
+    draft = spec._draft
+
+    def spy(num_rows, k, batch, u_BK):
+        drafts_BK, q_BKV = draft(num_rows, k, batch, u_BK)
+        for row in range(num_rows):
+            cols = kv.valid_RC[row, kv.lo:kv.end + 1].nonzero().flatten() + kv.lo  # through the pending column
+            ids, feats = spec.ids_RC[row, cols], spec.feats_RCH[row, cols]
+            assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
+            seq = backend._seqs[row]
+            row_batch = SamplingBatch.build([seq.request.sampling], [seq.generator])
+            for j in range(k):
+                num = len(ids)
+                causal = torch.ones(num, num, dtype=torch.bool).tril()[None, None]
+                hidden = trained_drafter(ids[None], feats[None], torch.arange(num)[None], causal)[0, -1]
+                q_V = processed_logprobs(trained_drafter.logits(hidden[None]), row_batch)[0].exp()
+                torch.testing.assert_close(q_BKV[row, j], q_V, atol=1e-5, rtol=1e-4)
+                ids, feats = torch.cat((ids, drafts_BK[row, j:j + 1])), torch.cat((feats, hidden[None]))
+            checked.append(row)
+        return drafts_BK, q_BKV
+
+    spec._draft = spy
+    for i, p in enumerate(prompts(2, seed=21)):
+        backend.add(Request(i, i, p, SamplingParams(temperature=1.0, max_new_tokens=20, seed=i)))
+    for _ in range(4):
+        backend.step()
+    assert len(checked) >= 6
 
 
 def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter):
