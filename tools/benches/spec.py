@@ -238,8 +238,8 @@ def _tv(a, b) -> float:
     return 0.5 * float((a / a.sum() - b / b.sum()).abs().sum())
 
 
-def _measure(model_path: str, sizes: dict, log, drafter=None) -> dict:
-    """Every figure of one policy; the drafter is trained on the policy's own rollouts unless given."""
+def _measure(model_path: str, sizes: dict, log) -> dict:
+    """Every figure of one policy, its drafter trained on the policy's own rollouts."""
     import torch
 
     from tailrace.engine.drafter import Drafter
@@ -251,10 +251,9 @@ def _measure(model_path: str, sizes: dict, log, drafter=None) -> dict:
     tokenizer = load_tokenizer(model_path)
     eos = eos_token_ids(model, tokenizer)
     figures = {"num_layers": model.config.num_hidden_layers}
-    if drafter is None:
-        drafter = Drafter.for_policy(model, seed=0)
-        traces = collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
-        figures |= train_drafter(drafter, traces, sizes["train_s"], log)
+    drafter = Drafter.for_policy(model, seed=0)
+    traces = collect_traces(model, drafter, eos, _prompts(tokenizer, sizes["num_train_prompts"], seed=1), log)
+    figures |= train_drafter(drafter, traces, sizes["train_s"], log)
     decode_prompts = _prompts(tokenizer, sizes["num_decode_prompts"], seed=2, min_chars=20)
     warmup_prompts = _prompts(tokenizer, sizes["num_warmup_prompts"], seed=4, min_chars=20)
     by_batch = {b: _throughput(model, drafter, eos, decode_prompts, warmup_prompts, b, log) for b in BATCH_SIZES}
@@ -265,7 +264,7 @@ def _measure(model_path: str, sizes: dict, log, drafter=None) -> dict:
     tv, floor = _tv(spec, plain_a), _tv(plain_b, plain_a)
     log(f"tv: spec vs plain {tv:.4f}, plain vs plain {floor:.4f} ({int(spec.sum())} / {int(plain_a.sum())} tokens; "
         f"speculative steps by drafter {tv_steps})")
-    return _figures(by_batch, tv, floor, tv_steps) | figures, drafter
+    return _figures(by_batch, tv, floor, tv_steps) | figures
 
 
 def run(quick: bool, log: Callable[[str], None], workload_name: str = "default") -> dict:
@@ -281,10 +280,10 @@ def run(quick: bool, log: Callable[[str], None], workload_name: str = "default")
         raise ValueError(f"--workload: {workload_name!r} is not one of default, longtail")
     if workload_name == "default":
         model_path = os.environ.get("TAILRACE_BENCH_MODEL", "tiny")
-        return _measure(model_path, sizes, log)[0] | {"load_1m_before": load_before,
+        return _measure(model_path, sizes, log) | {"load_1m_before": load_before,
                                                        "load_1m_after": round(os.getloadavg()[0], 2)}
-    deep = _measure(os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL), sizes, log)[0]
-    shallow = _measure("tiny", sizes, log)[0]
+    deep = _measure(os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL), sizes, log)
+    shallow = _measure("tiny", sizes, log)
     four_layer = {key: shallow[key] for key in FOUR_LAYER_KEYS}
     return {**deep, "four_layer": four_layer, "four_layer_drafter": "its own, trained on its own rollouts",
             "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
