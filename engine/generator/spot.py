@@ -43,14 +43,17 @@ class SpotConfig:
     lr: float = 3e-3
     hidden_loss_weight: float = 0.1
     # Also train on the drafter's own predicted features, as every draft after the first of a step sees
-    # them (drafter_passes). Off by default: it doubles the cost of a step, and on the tiny model, for
-    # the same training time, acceptance at depth >= 2 did not rise (0.862 without, 0.839 with).
-    unroll: bool = False
+    # them (drafter_passes): this many unrolled passes (depths 2 .. unroll + 1), each costing about
+    # one more teacher-forced pass. Off by default: on the tiny model, for the same training time,
+    # acceptance at depth >= 2 did not rise with one pass (0.862 without, 0.839 with).
+    unroll: int = 0
 
     def __post_init__(self):
         for name in ("max_buffer_tokens", "max_buffer_bytes", "keep_versions", "tokens_per_step", "row_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"spot.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= int(self.unroll) < 8:
+            raise ValueError(f"spot.unroll must lie in [0, 7] (unrolled passes), got {self.unroll}")
         if not self.lr > 0:
             raise ValueError(f"spot.lr must be > 0, got {self.lr}")
 
@@ -175,38 +178,46 @@ class KeyRecorder:
         return torch.cat((self.earlier[0], keys), dim=2), torch.cat((self.earlier[1], values), dim=2)
 
 
-def drafter_passes(drafter: Drafter, packed: Packed, unroll: bool) -> list[tuple[str, torch.Tensor]]:
-    """The drafter's predicted hidden states [R, T, H] on packed traces: ("tf", ...) and, with unroll,
-    ("unroll", ...).
+def drafter_passes(drafter: Drafter, packed: Packed, unroll: int) -> list[tuple[str, torch.Tensor]]:
+    """The drafter's predicted hidden states [R, T, H] on packed traces: ("tf", ...), then one pass per
+    unrolled depth ("unroll", "unroll2", ...: `unroll` of them; True counts as 1).
 
     Teacher forced (the first draft of a step): position t gets the policy's hidden state of t - 1.
-    Unrolled (every later draft): position t gets the drafter's own prediction for t - 1 from the
-    teacher-forced pass, and attends to the teacher-forced keys/values of the earlier positions and
-    to its own key only: exactly what a draft forward sees, whose cache holds keys computed from true
-    features (the catch-up) up to the pending token."""
+    Unrolled pass d (the (d + 1)-th draft of a step, whose pending token is t - d): position t gets pass
+    d - 1's prediction for t - 1, and attends to the teacher-forced keys/values up to t - d (what the
+    catch-up wrote from true features), to pass i's key at t - d + i for i = 1 .. d - 1 (the earlier
+    drafts of the same step) and to its own key: exactly what a draft forward at depth d + 1 sees."""
     causal = block_causal_mask(packed.segments_RT)
     teacher = KeyRecorder()
     pred_RTH = drafter(packed.ids_RT, packed.features_RTH, packed.positions_RT, causal, cache=teacher)
     passes = [("tf", pred_RTH)]
-    if unroll:
-        first_RT1 = (packed.positions_RT == 0)[..., None]
+    keys, values = [teacher.keys], [teacher.values]
+    index_T = torch.arange(causal.shape[-1], device=causal.device)
+    same_R1TT = causal | causal.transpose(-1, -2)  # the same segment, either order
+    first_RT1 = (packed.positions_RT == 0)[..., None]
+    for depth in range(1, int(unroll) + 1):
+        back_TT = index_T[:, None] - index_T[None, :]  # t - j
+        blocks = [causal & (back_TT >= depth)]  # teacher-forced keys up to t - depth
+        blocks += [same_R1TT & (back_TT == depth - i) for i in range(1, depth + 1)]  # pass i's key at t - depth + i
         shifted = torch.cat((torch.zeros_like(pred_RTH[:, :1]), pred_RTH[:, :-1].detach()), dim=1)
-        own_TT = torch.eye(causal.shape[-1], dtype=torch.bool, device=causal.device)
-        mask = torch.cat((causal & ~own_TT, own_TT.expand_as(causal)), dim=-1)  # [R, 1, T, 2T]
-        cache = KeyRecorder(earlier=(teacher.keys, teacher.values))
-        passes.append(("unroll", drafter(packed.ids_RT, shifted.masked_fill(first_RT1, 0.0), packed.positions_RT,
-                                         mask, cache=cache)))
+        cache = KeyRecorder(earlier=(torch.cat(keys, dim=2), torch.cat(values, dim=2)))
+        pred_RTH = drafter(packed.ids_RT, shifted.masked_fill(first_RT1, 0.0), packed.positions_RT,
+                           torch.cat(blocks, dim=-1), cache=cache)
+        keys.append(cache.keys)
+        values.append(cache.values)
+        passes.append(("unroll" if depth == 1 else f"unroll{depth}", pred_RTH))
     return passes
 
 
-def drafter_loss(drafter: Drafter, packed: Packed, hidden_loss_weight: float, unroll: bool):
+def drafter_loss(drafter: Drafter, packed: Packed, hidden_loss_weight: float, unroll: int):
     """(loss, metrics): KL(policy || drafter) + weighted smooth-L1 on the hidden state, averaged over
-    the passes of drafter_passes."""
-    learn_RT = packed.loss_RT
-    num_learn = learn_RT.sum().clamp_min(1)
+    the passes of drafter_passes. Pass d learns at positions >= d of a trace only (a draft at depth
+    d + 1 has a pending token d positions before it)."""
     target_logp = torch.log_softmax(drafter.logits(packed.targets_RTH).float(), dim=-1)
     losses, metrics = [], {}
-    for name, pred in drafter_passes(drafter, packed, unroll):
+    for depth, (name, pred) in enumerate(drafter_passes(drafter, packed, unroll)):
+        learn_RT = packed.loss_RT & (packed.positions_RT >= depth)
+        num_learn = learn_RT.sum().clamp_min(1)
         logq = torch.log_softmax(drafter.logits(pred).float(), dim=-1)
         kl_RT = F.kl_div(logq, target_logp, log_target=True, reduction="none").sum(-1)
         hidden_RT = F.smooth_l1_loss(pred.float(), packed.targets_RTH.float(), reduction="none").mean(-1)

@@ -176,10 +176,11 @@ class FakeClock:
 
 
 @torch.no_grad()
-def test_unrolled_pass_is_what_the_second_draft_sees(model):
+def test_unrolled_passes_are_what_later_drafts_see(model):
     # Drafting feeds the k >= 2nd draft the drafter's own prediction for the position before, with a
-    # cache of keys computed from the policy's true hidden states (the catch-up). The unrolled training
-    # pass must compute exactly that at every position, two traces packed in one row included.
+    # cache of keys computed from the policy's true hidden states (the catch-up) up to the step's pending
+    # token, then the keys of the step's earlier drafts. Unrolled pass d must compute exactly the draft at
+    # depth d + 1 at every position, two traces packed in one row included.
     drafter = Drafter.for_policy(model, seed=5)
     for p in drafter.parameters():
         p.add_(0.1 * torch.randn_like(p))  # away from the near-identity init
@@ -189,20 +190,27 @@ def test_unrolled_pass_is_what_the_second_draft_sees(model):
         tokens = torch.randint(0, VOCAB, (n,), generator=gen)
         traces.append(Trace(tokens, model.model(tokens[None]).last_hidden_state[0, :-1], 0, 1))
     packed = pack(traces, 64, row_tokens=64)
-    (_, teacher), (_, unrolled) = drafter_passes(drafter, packed, unroll=True)
+    passes = drafter_passes(drafter, packed, unroll=3)
+    assert [name for name, _ in passes] == ["tf", "unroll", "unroll2", "unroll3"]
     col = 0
     for trace in traces:
         ids, hidden = trace.tokens[:-1], trace.hidden
         features = torch.cat((torch.zeros_like(hidden[:1]), hidden[:-1]))[None]
-        for t in range(1, ids.numel()):
-            # catch-up over 0..t-1 with true features, then one draft forward at t
-            catch_up = KeyRecorder()
-            causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
-            pred = drafter(ids[None, :t], features[:, :t], torch.arange(t)[None], causal, cache=catch_up)
-            draft = drafter(ids[None, t:t + 1], pred[:, -1:], torch.tensor([[t]]), torch.ones(1, 1, 1, t + 1, dtype=torch.bool),
-                            cache=KeyRecorder(earlier=(catch_up.keys, catch_up.values)))
-            torch.testing.assert_close(unrolled[0, col + t], draft[0, 0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(teacher[0, col + t - 1], pred[0, -1], atol=1e-5, rtol=1e-5)
+        for pending in range(ids.numel() - 1):
+            # catch-up over 0 .. pending with true features, then one draft forward per later position
+            cache = KeyRecorder()
+            causal = torch.ones(pending + 1, pending + 1, dtype=torch.bool).tril()[None, None]
+            pred = drafter(ids[None, :pending + 1], features[:, :pending + 1], torch.arange(pending + 1)[None],
+                           causal, cache=cache)[:, -1:]
+            torch.testing.assert_close(passes[0][1][0, col + pending], pred[0, 0], atol=1e-5, rtol=1e-5)
+            keys, values = cache.keys, cache.values
+            for depth in range(1, min(3, ids.numel() - 1 - pending) + 1):
+                t = pending + depth
+                cache = KeyRecorder(earlier=(keys, values))
+                pred = drafter(ids[None, t:t + 1], pred, torch.tensor([[t]]),
+                               torch.ones(1, 1, 1, t + 1, dtype=torch.bool), cache=cache)
+                keys, values = torch.cat((keys, cache.keys), dim=2), torch.cat((values, cache.values), dim=2)
+                torch.testing.assert_close(passes[depth][1][0, col + t], pred[0, 0], atol=1e-5, rtol=1e-5)
         col += ids.numel()
 
 
