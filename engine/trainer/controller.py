@@ -284,11 +284,14 @@ class Controller:
 
     def step_can_close(self) -> bool:
         """No group that must be in the open step is still in flight, and it holds groups_per_step groups
-        or every group that had to be in it."""
+        (more when more had to be in it). Fewer only when no more can come: nothing in flight and the
+        gate closed (the data ran out, or the run holds the groups of all its remaining steps)."""
         limit = self.policy_version + 1 - self.max_staleness
         if any(g.min_version() < limit for g in self.groups.values()):
             return False
-        return len(self.step_groups) >= self.groups_per_step or any(g.min_version() < limit for g in self.step_groups)
+        if len(self.step_groups) >= self.groups_per_step:
+            return True
+        return bool(self.step_groups) and not self.groups and not self.queue and not self._gate_open()
 
     def close_step(self) -> list[GroupState] | None:
         """The open step's groups once it may run its optimizer step (step_can_close), or None to wait."""

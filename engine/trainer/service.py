@@ -357,6 +357,8 @@ class TrainerService:
                             min_policy_version=version)
                  for prompt, r, version in (decision.items if decision else [])]
         exhausted = decision is not None and decision.exhausted
+        if exhausted:  # a step holding fewer groups than a batch may close now that no more can come
+            self.changed.set()
         await self.server.send(peer.id, m.Work(items=evals + items, exhausted=exhausted))
 
     async def serve_parked(self) -> None:

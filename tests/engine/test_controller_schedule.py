@@ -80,3 +80,28 @@ def test_complete_groups_are_committed_while_a_stale_group_is_in_flight():
     ctl.on_trained(batch, 1)
     assert ctl.max_staleness_seen == 1
     ctl.check_accounting()
+
+
+def test_a_step_with_a_forced_group_still_waits_for_a_full_batch():
+    """gps 2, max_staleness 1, three prompts: at version 1 the stale group 0 completes and is forced into the
+    step. Groups 1 and 2 (admitted at version 1) are in flight: the step waits for one of them rather than
+    train one group. At version 2 the last group alone closes its step once the data is known to be out."""
+    ctl = Controller(iter(list(itertools.islice(_prompts(), 3))), group_size=2, groups_per_step=2, max_staleness=1)
+    ctl.request_work("g", 2)  # group 0, admitted at version 0
+    ctl.on_new_version(1)
+    ctl.request_work("g", 4)  # groups 1 and 2, admitted at version 1
+    _finish(ctl, 0, 0, 2)
+    assert [g.group_id for g in ctl.take_for_step()] == [0]
+    assert ctl.close_step() is None  # one group of two, and more are coming
+    _finish(ctl, 1, 1, 2)
+    batch = ctl.pop_batch()
+    assert sorted(g.group_id for g in batch) == [0, 1]
+    ctl.on_trained(batch, 1)
+    ctl.on_new_version(2)
+    _finish(ctl, 2, 1, 2)
+    assert ctl.pop_batch() is None  # a fourth prompt could still be admitted
+    assert ctl.request_work("g", 2).exhausted  # it cannot: the data ran out
+    batch = ctl.pop_batch()
+    assert [g.group_id for g in batch] == [2]
+    ctl.on_trained(batch, 2)
+    ctl.check_accounting()
