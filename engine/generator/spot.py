@@ -11,13 +11,14 @@
 Alignment (the bug in TLT's released code): the drafter input at token t + 1 is (hidden[t], tokens[t+1])
 and its target is hidden[t + 1] — the hidden state that predicted the token after. Loss: KL(p || q)
 between the policy's and the drafter's next-token distributions (temperature 1), which bounds the
-acceptance rate's shortfall (1 - acceptance = total variation), plus a smooth-L1 on the hidden state,
-weighted 3x: every draft after the first of a step is fed the drafter's own predicted hidden state, so a
-feature that stays close to the policy's is what later drafts are accepted on (on the 12-layer
-tiny_longtail, weight 0.1 -> 3 raised the 2nd and 3rd drafts' acceptance from 0.44 / 0.50 to 0.81 / 0.76,
-and the first's from 0.86 to 0.87); optionally unrolled passes feed the drafter its own predictions, as
-drafting does at depth >= 2 (for the same training time they did worse there: 0.74 / 0.70 / 0.63). Many small steps beat fewer large ones: on the tiny model the drafter learns the task's
-lookup after ~1000 steps, whatever their size.
+acceptance rate's shortfall (1 - acceptance = total variation), plus a smooth-L1 on the hidden state
+weighted 3: every draft after the first of a step is fed the drafter's own predicted hidden state, so a
+state that stays close to the policy's is what later drafts are accepted on (on the 12-layer
+tiny_longtail, weight 0.1 -> 3 raised the acceptance of a step's drafts 1 / 2 / 3 from 0.86 / 0.44 / 0.50
+to 0.87 / 0.81 / 0.76). Optionally, unrolled passes feed the drafter its own predictions, as drafting
+does at depth >= 2 (for the same training time, one pass beside weight 3 did worse there: 0.74 / 0.70 /
+0.63). Many small steps beat fewer large ones: on the tiny model the drafter learns the task's lookup
+after ~1000 steps, whatever their size.
 Test: pytest tests/engine/test_drafter.py
 """
 
@@ -47,8 +48,9 @@ class SpotConfig:
     hidden_loss_weight: float = 3.0  # the smooth-L1 on predicted hidden states, beside the KL (see above)
     # Also train on the drafter's own predicted features, as every draft after the first of a step sees
     # them (drafter_passes): this many unrolled passes (depths 2 .. unroll + 1), each costing about
-    # one more teacher-forced pass. Off by default: on the tiny model, for the same training time,
-    # acceptance at depth >= 2 did not rise with one pass (0.862 without, 0.839 with).
+    # one more teacher-forced pass. Off by default: for the same training time, acceptance at depth >= 2
+    # did not rise with one pass on the tiny model (0.862 without, 0.839 with), nor with 1-3 passes on
+    # tiny_longtail (fewer steps in the time; the hidden-state weight did more).
     unroll: int = 0
 
     def __post_init__(self):
