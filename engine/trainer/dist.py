@@ -65,6 +65,17 @@ def init_from_env(backend: str | None = None, *, timeout_s: float = 300.0) -> Di
     return DistInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank)
 
 
+def shutdown() -> None:
+    """Destroy the process groups after a normal exit of every rank's work: left to the interpreter's exit,
+    gloo's threads can outlive their group and abort the process ("terminate called without an active
+    exception", exit -6), which torchrun then reports as a failed rank. Not for error paths (a peer that
+    died may never answer)."""
+    global _command_group
+    if is_initialized():
+        tdist.destroy_process_group()
+        _command_group = None
+
+
 def command_group() -> Any:
     """The gloo group for rank 0's commands and batches (CPU tensors, no deadline)."""
     return _command_group

@@ -72,6 +72,7 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
             summary = role.run()
         elif info.world_size > 1:
             summary = _run_ranks(cfg, args.resume, make_learner, info.rank)
+            dist.shutdown()
         else:
             summary = run(role.run())
     except BindFailed as exc:  # the port went between the preflight check and the bind: nothing ran yet

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint.save(args.ckpt, learner, data_position={"batch": i + 1})
     if dist.is_rank0():
         torch.save(out, args.out)
+    dist.shutdown()
     return 0
 
 
