@@ -89,7 +89,10 @@ def test_trainer_generator_reward_processes(tmp_path):
     assert summary["samples_trained"] >= 3 * 2 * 4
     assert summary["scored_by"]["server"] >= summary["samples_trained"]
     assert summary["scored_by"]["builtin"] == 0
-    assert summary["generator_policy_versions"]["gen-0"] >= 2  # new weights reached the generator
+    # New weights reached the generator: the last step's groups are admitted at version 1, so it must load
+    # version 1 to sample them. Version 2 is published while step 3 trains, and the run may end before the
+    # generator's next stats say it loaded it (seen once in CI), so >= 2 would be a race, not a check.
+    assert summary["generator_policy_versions"]["gen-0"] >= 1
     assert summary["max_staleness_seen"] <= 1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
