@@ -200,10 +200,10 @@ def drafter_passes(drafter: Drafter, packed: Packed, unroll: int) -> list[tuple[
     passes = [("tf", pred_RTH)]
     keys, values = [teacher.keys], [teacher.values]
     index_T = torch.arange(causal.shape[-1], device=causal.device)
+    back_TT = index_T[:, None] - index_T[None, :]  # t - j
     same_R1TT = causal | causal.transpose(-1, -2)  # the same segment, either order
     first_RT1 = (packed.positions_RT == 0)[..., None]
     for depth in range(1, int(unroll) + 1):
-        back_TT = index_T[:, None] - index_T[None, :]  # t - j
         blocks = [causal & (back_TT >= depth)]  # teacher-forced keys up to t - depth
         blocks += [same_R1TT & (back_TT == depth - i) for i in range(1, depth + 1)]  # pass i's key at t - depth + i
         shifted = torch.cat((torch.zeros_like(pred_RTH[:, :1]), pred_RTH[:, :-1].detach()), dim=1)
