@@ -117,10 +117,29 @@ def load_backend(cfg: RunConfig) -> Backend:
 
 def speculation_drafters(cfg: RunConfig, backend: Backend) -> tuple[str, ...]:
     """The drafters generator.speculation lets this backend use: () when off, and with "auto" on a
-    backend without speculative decoding; ValueError where a setting asks for speculation it lacks."""
+    backend without speculative decoding; ValueError where a setting asks for speculation it lacks.
+
+    "auto" on a CPU drops the EAGLE drafter unless generator.drafter_path gives a trained one: training
+    it in the generator's idle turns (spot_training) is not free there, because the cores a generator
+    leaves idle are the ones the trainer and the other generators run on (measured: the default
+    workload's stream run took ~20% longer with it, the trainer's own steps slowed by the contention)."""
     drafters = cfg.generator.spec_drafters
     if drafters and not isinstance(backend, SpeculationHooks):
         if cfg.generator.speculation != "auto":
             raise ValueError(f"generator.speculation: the {backend.name} backend has no speculative decoding")
         return ()
+    if cfg.generator.speculation == "auto" and _on_cpu(backend) and not cfg.generator.drafter_path:
+        return tuple(d for d in drafters if d != "eagle")
     return drafters
+
+
+def spot_training(cfg: RunConfig, backend: Backend) -> bool:
+    """Whether the generator trains the EAGLE drafter in its idle turns: whenever it drafts with it,
+    except under "auto" on a CPU (see speculation_drafters), where a given drafter is used as it is."""
+    return "eagle" in speculation_drafters(cfg, backend) and not (
+        cfg.generator.speculation == "auto" and _on_cpu(backend))
+
+
+def _on_cpu(backend: Backend) -> bool:
+    device = getattr(backend, "device", None)
+    return device is not None and getattr(device, "type", str(device)) == "cpu"

@@ -105,7 +105,7 @@ class GeneratorService:
                  curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S):
         import torch
 
-        from tailrace.engine.generator.interface import load_backend, speculation_drafters
+        from tailrace.engine.generator.interface import load_backend, speculation_drafters, spot_training
 
         self.cfg = cfg
         self.address = address
@@ -123,8 +123,9 @@ class GeneratorService:
 
             drafter = load_or_create(cfg.generator.drafter_path or None, self.backend.model)
             self.bandit = SpecBandit(arms_for(drafters))
-            self.backend.enable_speculation(drafter, self.bandit, max_traces=None if "eagle" in drafters else 0)
-            if "eagle" in drafters:  # the suffix drafter alone needs no training
+            train = spot_training(cfg, self.backend)  # the suffix drafter needs no training
+            self.backend.enable_speculation(drafter, self.bandit, max_traces=None if train else 0)
+            if train:
                 self.spot = SpotTrainer(drafter)
                 self.spot_thread = ThreadPoolExecutor(1, thread_name_prefix="drafter-training",
                                                       initializer=background_priority)

@@ -17,8 +17,9 @@ several ways, each as separate OS processes (a trainer and two generators over t
                      per batch size, with a drafter trained before the runs on the policy's own rollouts
                      (other prompts; what a long-lived run resumes with, generator.drafter_path) and
                      trained further in the generators' idle turns; spec_ratio = sync_s / its time
-    stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold. These are
-                     the default settings (generator.speculation auto is on for the torch backend):
+    stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
+    stream+default   stream with the default settings (generator.speculation auto: on a CPU the suffix
+                     drafter, and the EAGLE one only from a given drafter, not trained in idle turns):
                      default_vs_plain = stream_s / its time, what the default costs or gains against plain stream
     modelled_stream_s2  modelled_stream with controller.max_staleness 2 (AReaL's eta = 2): modelled_ratio_s2. With
                      max_staleness s a group must be trained within s + 1 steps of its admission, so a step
@@ -85,6 +86,7 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
     "stream+spec_cold": (1, False, ("--generator.speculation", "on")),
+    "stream+default": (1, False, ()),  # the default settings (speculation auto), against plain stream
     # telemetry's cost: stream without spans (metrics.spans false), against stream
     "stream-spans": (1, False, ("--metrics.spans", "false", *PLAIN)),
 }
@@ -540,6 +542,7 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
     spec_s, cold_s = _mean(results["stream+spec"], "seconds"), _mean(results["stream+spec_cold"], "seconds")
+    default_s = _mean(results["stream+default"], "seconds")
     nospans_s = _mean(results["stream-spans"], "seconds")
     out |= {"stream_nospans_s": round(nospans_s, 3), "spans_ratio": round(nospans_s / t, 3),
             "telemetry_frac": round(statistics.fmean(r["telemetry_frac"] for m in ("stream", "sync")
@@ -547,7 +550,7 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
             "telemetry_target_frac": 0.01}
     out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3),
             "stream_spec_cold_s": round(cold_s, 3), "spec_ratio_cold": round(s / cold_s, 3),
-            "default_vs_plain": round(t / cold_s, 3)}
+            "stream_default_s": round(default_s, 3), "default_vs_plain": round(t / default_s, 3)}
     for key in ("idle_trainer", "idle_generators"):
         out |= {f"{key}_{mode}": round(_mean(runs, key), 3) for mode, runs in results.items()}
     out |= {f"samples_trained_{mode}": runs[0]["samples_trained"] for mode, runs in results.items()}
