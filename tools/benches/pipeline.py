@@ -47,10 +47,7 @@ last step's WeightsNotice. Idle: trainer 1 - training seconds / that time; gener
 seconds / their wall seconds (summary.json). `modelled_ratio_bound` = modelled_sync_s / the busy seconds
 of the busiest process of modelled_stream: no schedule of that work beats it, so modelled_ratio close to
 it means the workload's balance of compute, not the scheduler, limits the gain (scheduler_efficiency =
-modelled_ratio / modelled_ratio_bound). `ratio_bound_cores`, the same for the real runs: sync_s over the
-larger of stream's busiest process and all its processes' busy seconds over the machine's cores (they
-share them; busy is wall time, inflated by contention, so an estimate): ratio near it means the cores,
-not the schedule, limit the real gain. rollout_share_[modelled_]sync: the trainer's idle share of a sync
+modelled_ratio / modelled_ratio_bound). rollout_share_[modelled_]sync: the trainer's idle share of a sync
 run, i.e. what of a synchronous step is rollout (and weights out); completion_len_p99_over_median of the
 measured completions: both check the long-tail workload's claim in the output. The full run repeats
 every mode twice (ABCDEF FEDCBA) and reports means.
@@ -541,12 +538,6 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
                           if MODES[mode][1] == modelled} for modelled in (False, True)}
     # No schedule of the stream run's work beats its busiest process: trainer or one generator.
     busiest = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"]) for r in results["modelled_stream"])
-    # The real runs share this machine's cores: no schedule beats the busiest process, nor all processes'
-    # busy seconds spread over every core (busy is wall time, so contention inflates it: an estimate).
-    cores = os.cpu_count() or 1
-    real_floor = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"],
-                                      (r["trainer_busy_s"] + sum(r["generator_busy_s"])) / cores)
-                                  for r in results["stream"])
     lengths = sorted(c.completion_tokens for c in costs.completions)
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
@@ -573,7 +564,6 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
             "ratio_target": RATIO_TARGET, "ratio_met": s / t > RATIO_TARGET,
             "modelled_ratio_target": MODELLED_RATIO_TARGET, "modelled_ratio_met": ms / mt >= MODELLED_RATIO_TARGET,
             "modelled_ratio_bound": round(ms / busiest, 3),
-            "ratio_bound_cores": round(s / real_floor, 3), "cores": cores,
             "runs_per_mode": len(results["sync"]), "steps": w.steps, "modelled_steps": w.modelled_steps,
             "groups_per_step": w.groups_per_step,
             "group_size": w.group_size, "max_new_tokens": w.max_new_tokens, "max_batch_size": w.max_batch_size,
