@@ -303,6 +303,10 @@ class TorchBackend:
         else:  # a trunk holds the waiting samples of its group, so fewer rows may start
             new, self._waiting = take_trunks(self._waiting, num_new)
             num_new = len(new)
+        # Samples of one group share their prompt: it is prefilled once, in the first row that holds it
+        # (those rows come first), and its cached keys/values are copied to the others.
+        new, source = _shared_prompts_first(new)
+        num_unique = max(source, default=-1) + 1
         prompts = [s.request.prompt_ids for s in new]
         lengths = [len(p) - 1 for p in prompts]  # the last prompt token is fed by the decode step
         width = max(lengths)
@@ -310,14 +314,18 @@ class TorchBackend:
         self._kv.place_rows(first, lengths)
         ids_bT = hidden_bTH = None
         if width > 0:
-            ids_bT, hidden_bTH = self._prefill(first, prompts, lengths, width)
+            ids_bT, hidden_bTH = self._prefill(first, prompts[:num_unique], lengths[:num_unique], width)
+            if num_unique < num_new:
+                self._kv.copy_rows([first + i for i in source[num_unique:]], list(range(first + num_unique, first + num_new)))
+                index = torch.tensor(source, device=self.device)
+                ids_bT, hidden_bTH = ids_bT[index], hidden_bTH[index]
         self._init_rows(first, new)
         if self._spec is not None:
             self._spec.on_admit(first, lengths, ids_bT, hidden_bTH)
         self._seqs.extend(new)
         self._num_unstamped = num_new  # rows at the end that get their first token this step
         self._sampling = None
-        self.stats.num_prefill_tokens += sum(lengths)
+        self.stats.num_prefill_tokens += sum(lengths[:num_unique])
         self.stats.prefill_s += time.monotonic() - start_s
 
     def _fork_rows(self) -> None:
@@ -562,6 +570,18 @@ class TorchBackend:
         req = seq.request
         return Finished(req.group_id, req.sample_id, req.prompt_ids, tokens, logprobs, versions, reason,
                         queue_s=first - seq.added_s, decode_s=now - first)
+
+
+def _shared_prompts_first(seqs: list) -> tuple[list, list[int]]:
+    """seqs reordered so that the first row of each distinct prompt comes first (in arrival order), then
+    the rows that repeat one; and for each row of that order, the index of the row that holds its prompt
+    first (source[i] == i for those)."""
+    first_of: dict[tuple[int, ...], int] = {}
+    keys = [tuple(s.request.prompt_ids) for s in seqs]
+    order = [i for i, key in enumerate(keys) if first_of.setdefault(key, i) == i]
+    position = {key: n for n, key in enumerate(keys[i] for i in order)}
+    order += [i for i, key in enumerate(keys) if first_of[key] != i]
+    return [seqs[i] for i in order], [position[keys[i]] for i in order]
 
 
 def _empty_completion() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

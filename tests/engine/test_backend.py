@@ -122,6 +122,28 @@ def test_sampled_batch_equals_each_sequence_alone(model):
         torch.testing.assert_close(batched[key].behaviour_logprobs, fin.behaviour_logprobs, atol=1e-5, rtol=0)
 
 
+def test_a_shared_prompt_is_prefilled_once_and_each_sample_decodes_as_alone(model):
+    # Two groups interleaved with a lone prompt, as work arrives: each distinct prompt is prefilled
+    # once (its keys/values copied to the group's other rows), and every sample equals itself decoded
+    # alone (its own seed; greedy rows too). The rows of a group reorder at admission; results do not.
+    a, b, c = prompts(3, seed=5, max_len=10)
+    a = a + [7, 8]  # distinct lengths, so left padding differs between rows of one forward
+    sampling = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=31),
+                SamplingParams(temperature=0.0, max_new_tokens=5)]
+    reqs = [Request(1, i, a, sampling[0]) for i in range(3)] + [Request(3, 0, c, sampling[1])]
+    reqs += [Request(2, i, b, sampling[i % 2]) for i in range(3)] + [Request(1, 3, a, sampling[0])]
+    alone = {}
+    for req in reqs:
+        alone.update(run(TorchBackend(model, max_batch_size=1, max_model_len=32, seed=7), {0: [req]}))
+    backend = TorchBackend(model, max_batch_size=8, max_model_len=32, seed=7)
+    batched = run(backend, {0: reqs})
+    assert backend.stats.num_prefill_tokens == sum(len(p) - 1 for p in (a, b, c))
+    for key, fin in alone.items():
+        assert batched[key].completion_ids.tolist() == fin.completion_ids.tolist(), key
+        torch.testing.assert_close(batched[key].behaviour_logprobs, fin.behaviour_logprobs, atol=1e-5, rtol=0)
+    assert len({tuple(batched[1, i].completion_ids.tolist()) for i in range(4)}) > 1
+
+
 def test_behaviour_logprobs_equal_processed_reference_logprobs(model):
     params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=1),
               SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=6, seed=2)]

@@ -5,6 +5,7 @@ through their seams.
 Run: pytest tests/tools/test_modelled.py
 """
 
+import dataclasses
 import functools
 import time
 
@@ -89,6 +90,17 @@ def test_lengths_reproducible_by_group_and_sample_whatever_the_batch(model):
     assert one.keys() == other.keys() == {(r.group_id, r.sample_id) for r in reqs}
     assert {k: len(f.completion_ids) for k, f in one.items()} == {k: len(f.completion_ids) for k, f in other.items()}
     assert len({len(f.completion_ids) for f in one.values()}) > 1  # drawn, not constant
+
+
+def test_prefill_charged_once_per_distinct_prompt_of_an_admission(model):
+    # As TorchBackend prefills a group's shared prompt once: 3 rows of one prompt and 1 of another are
+    # charged the padded width (the longer prompt less its last token) times 2 prompts, not times 4.
+    costs = dataclasses.replace(make_costs(), prefill=LinearCost(0.0, 1e-3))
+    backend = modelled(model, costs)
+    for r in [*requests(1, 3, prompt=(1, 5, 6, 7, 8)), Request(5, 0, [1, 5], SAMPLING)]:
+        backend.add(r)
+    backend.step()
+    assert backend.stats.prefill_s == pytest.approx(1e-3 * 4 * 2)
 
 
 def test_finish_reasons_tokens_and_logprobs_consistent(model):

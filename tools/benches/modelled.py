@@ -2,7 +2,8 @@
 running the model, so a run times the scheduler alone (queues, staleness gate, weights traffic, wire).
 
     ModelledBackend  the Backend interface (engine/generator/interface.py); step() sleeps one decode step drawn from the measured
-                     step times of the running batch size (plus prefill of admitted rows) and emits one
+                     step times of the running batch size (plus prefill of the admitted rows' distinct
+                     prompts, as TorchBackend prefills a group's shared prompt once) and emits one
                      token per row; each sample's length is drawn from the measured completions of
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
@@ -263,8 +264,9 @@ class ModelledBackend:
         if not self.pause_admission and self._waiting and len(self._rows) < self.max_batch_size:
             new = [self._waiting.popleft() for _ in range(min(len(self._waiting),
                                                               self.max_batch_size - len(self._rows)))]
-            width = max(len(r.request.prompt_ids) - 1 for r in new)
-            prefill_s = self.costs.prefill(width * len(new))
+            # As TorchBackend: a prompt that several admitted rows share (a group's) is prefilled once.
+            prompts = {tuple(r.request.prompt_ids) for r in new}
+            prefill_s = self.costs.prefill(max(len(p) - 1 for p in prompts) * len(prompts))
             self._rows.extend(new)
         if not self._rows:
             return []
