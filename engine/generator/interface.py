@@ -128,7 +128,7 @@ def speculation_drafters(cfg: RunConfig, backend: Backend) -> tuple[str, ...]:
         if cfg.generator.speculation != "auto":
             raise ValueError(f"generator.speculation: the {backend.name} backend has no speculative decoding")
         return ()
-    if cfg.generator.speculation == "auto" and _on_cpu(backend) and not cfg.generator.drafter_path:
+    if _auto_on_cpu(cfg, backend) and not cfg.generator.drafter_path:
         return tuple(d for d in drafters if d != "eagle")
     return drafters
 
@@ -136,10 +136,9 @@ def speculation_drafters(cfg: RunConfig, backend: Backend) -> tuple[str, ...]:
 def spot_training(cfg: RunConfig, backend: Backend) -> bool:
     """Whether the generator trains the EAGLE drafter in its idle turns: whenever it drafts with it,
     except under "auto" on a CPU (see speculation_drafters), where a given drafter is used as it is."""
-    return "eagle" in speculation_drafters(cfg, backend) and not (
-        cfg.generator.speculation == "auto" and _on_cpu(backend))
+    return "eagle" in speculation_drafters(cfg, backend) and not _auto_on_cpu(cfg, backend)
 
 
-def _on_cpu(backend: Backend) -> bool:
-    device = getattr(backend, "device", None)
-    return device is not None and getattr(device, "type", str(device)) == "cpu"
+def _auto_on_cpu(cfg: RunConfig, backend: Backend) -> bool:
+    """speculation "auto" on a backend that runs on the CPU, whose idle cores are other processes'."""
+    return cfg.generator.speculation == "auto" and getattr(getattr(backend, "device", None), "type", None) == "cpu"
