@@ -3,7 +3,9 @@
 Rows are the tokens of one forward call, a union of trie segments in pre-order; a segment's queries see
 its ancestors' keys and its own tokens causally. Ancestors are either rows of the same call (packed mode:
 `SegmentRows.prefix`) or an external cached prefix (replay: the keys/values of the open path, passed as
-separate tensors, root first). `paths_attention` on the CPU runs PyTorch's flash-attention kernels: each
+separate tensors, root first). A packed call on the CPU (`tree_attention_cpu`) runs each root subtree of
+many short branches as one masked dense SDPA call over its rows (its per-segment calls would cost more),
+the others as `paths_attention`. `paths_attention` on the CPU runs PyTorch's flash-attention kernels: each
 segment's own part causal, the prefix part without a mask (one call per run of adjacent siblings, which
 share it), merged by log-sum-exp; its custom backward runs each part's flash backward with the merged
 output and log-sum-exp (the split-KV identity) and sums key/value gradients in float32 or wider. Nothing
@@ -161,6 +163,71 @@ def paths_attention(q_HNd: torch.Tensor, k_KNd: torch.Tensor, v_KNd: torch.Tenso
         return _PathsAttention.apply(q_HNd, k_KNd, v_KNd, tuple(segments), scale, len(ext_k), *ext_k, *ext_v)
     return paths_attention_sdpa(q_HNd, k_KNd, v_KNd, segments, scale=scale, window=window,
                                 external=(ext_k, ext_v), masks=masks)
+
+
+# The CPU costs `tree_attention_cpu` chooses by (forward + backward, PyTorch's flash kernels, one thread
+# of this project's 2-core Xeon VM, one GRPO group of 8 branches, heads x head_dim 128 and 1024): a masked
+# dense call costs about DENSE_COST_PER_PAIR x heads x head_dim per query-key pair of its whole N x N
+# square; paths_attention about PATHS_COST_PER_PAIR per exact pair plus PATHS_COST_PER_SEGMENT per segment
+# (its calls, slicing and log-sum-exp merges). Seconds; only their ratios matter. Measured: 8 branches of
+# 2 tokens under a prompt of 8, dense 0.09 ms vs paths 0.83 ms (heads x dim 128); 8 branches of 60,
+# dense 4.3 ms vs paths 2.6 ms.
+DENSE_COST_PER_PAIR = 1.2e-10
+PATHS_COST_PER_PAIR = 6e-10
+PATHS_COST_PER_SEGMENT = 1e-4
+
+
+def root_subtrees(segments: Sequence[SegmentRows]) -> list[list[SegmentRows]]:
+    """The segments of each whole root subtree of a packed call (a segment with no ancestor starts one)."""
+    out: list[list[SegmentRows]] = []
+    for seg in segments:
+        if not seg.prefix and not seg.external or not out:
+            out.append([seg])
+        else:
+            out[-1].append(seg)
+    return out
+
+
+def dense_is_cheaper(segs: Sequence[SegmentRows], heads_x_dim: int) -> bool:
+    """Whether one masked dense call over a root subtree's rows beats paths_attention's calls on a CPU."""
+    n = segs[-1].hi - segs[0].lo
+    exact = sum((seg.hi - seg.lo) * (seg.hi - seg.lo + 1) // 2
+                + (seg.hi - seg.lo) * sum(b - a for a, b in seg.prefix) for seg in segs)
+    dense = DENSE_COST_PER_PAIR * heads_x_dim * n * n
+    paths = PATHS_COST_PER_PAIR * heads_x_dim * exact + PATHS_COST_PER_SEGMENT * len(segs)
+    return dense < paths
+
+
+def tree_attention_cpu(q_HNd: torch.Tensor, k_KNd: torch.Tensor, v_KNd: torch.Tensor,
+                       segments: Sequence[SegmentRows], subtree_end_N: torch.Tensor, *, scale: float,
+                       masks: dict) -> torch.Tensor:
+    """A packed call's attention on a CPU (no external prefix, no window), root subtree by root subtree:
+    one masked dense SDPA call over a subtree's rows (token j visible to i iff j <= i < subtree_end[j])
+    where that is cheaper than paths_attention's per-segment calls (many short branches: on the tiny
+    long-tail policy a GRPO group of 8 short samples is ~5x faster dense), else paths_attention. Both
+    are exact: the same keys per query, masked pairs weigh exactly zero. masks: the layers' shared cache
+    (the plan and the dense masks)."""
+    if "cpu_plan" not in masks:
+        plan = []
+        for segs in root_subtrees(segments):
+            lo, hi = segs[0].lo, segs[-1].hi
+            if len(segs) > 1 and dense_is_cheaper(segs, q_HNd.shape[0] * q_HNd.shape[-1]):
+                rows = torch.arange(lo, hi, device=q_HNd.device)
+                ends = subtree_end_N[lo:hi].to(q_HNd.device)
+                plan.append((lo, hi, (rows[None, :] <= rows[:, None]) & (rows[:, None] < ends[None, :])))
+            else:
+                shifted = tuple(SegmentRows(s.lo - lo, s.hi - lo, tuple((a - lo, b - lo) for a, b in s.prefix),
+                                            s.depth, s.external) for s in segs)
+                plan.append((lo, hi, shifted))
+        masks["cpu_plan"] = plan
+    outs = []
+    for lo, hi, how in masks["cpu_plan"]:
+        q, k, v = q_HNd[:, lo:hi], k_KNd[:, lo:hi], v_KNd[:, lo:hi]
+        if isinstance(how, torch.Tensor):
+            outs.append(path_attention(q, k, v, how, scale))
+        else:
+            outs.append(_PathsAttention.apply(q, k, v, how, scale, 0))
+    return _cat(outs)
 
 
 def paths_attention_sdpa(q_HNd, k_KNd, v_KNd, segments: Sequence[SegmentRows], *, scale: float,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tailrace.engine.models import SUPPORTED_MODEL_TYPES, run_as_forward
-from tailrace.engine.replay.attention import SegmentRows, paths_attention
+from tailrace.engine.replay.attention import SegmentRows, paths_attention, tree_attention_cpu
 from tailrace.kernels.logprobs import chunked_logprobs
 from tailrace.kernels.tree_attention import TRITON_DTYPES
 from tailrace.kernels.tree_attention import tree_attention as kernel_tree_attention
@@ -182,6 +182,8 @@ def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tenso
                 and q.dtype in TRITON_DTYPES):
             return kernel_tree_attention(q.contiguous(), k.contiguous(), v.contiguous(), subtree_end_N,
                                          scale=spec.scale)
+        if subtree_end_N is not None and not external and window is None and q.device.type == "cpu":
+            return tree_attention_cpu(q, k, v, segments, subtree_end_N, scale=spec.scale, masks=masks)
         ext = ([a[i][0] for a in external], [a[i][1] for a in external]) if external else None
         return paths_attention(q, k, v, segments, scale=spec.scale, window=window, external=ext, masks=masks)
 

@@ -3,8 +3,9 @@
 
 A pack is one or more whole root subtrees of the step's trie, its forward-running nodes in DFS pre-order
 (a leaf's last node is a label only and is left out), at path-depth positions; each token attends to its
-ancestors and itself: kernels/tree_attention.py (Triton) on a GPU, attention.paths_attention (the exact
-pairs, segment by segment, flash kernels) on the CPU and for sliding windows. One forward and one
+ancestors and itself: kernels/tree_attention.py (Triton) on a GPU, attention.tree_attention_cpu on the
+CPU (per root subtree: one masked dense call where its branches are short, else the exact pairs segment by
+segment with flash kernels), attention.paths_attention for sliding windows. One forward and one
 backward per pack, the loss on the same logical rows as replay, so the gradient is the same. Memory: the
 whole pack's activations, where replay holds only the open path's.
 

@@ -312,6 +312,40 @@ def test_flash_paths_attention_matches_masked_sdpa(dtype, tol):
         assert float((got - want).norm() / want.norm()) <= tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
+def test_cpu_tree_attention_mixes_dense_and_path_subtrees_exactly(dtype, tol):
+    """A packed call on the CPU: root subtrees of many short branches run as one masked dense call,
+    a long one segment by segment (tree_attention_cpu's plan holds both kinds); output and gradients equal
+    one masked SDPA per segment, the reference of the paths test above."""
+    from tailrace.engine.replay.attention import SegmentRows, paths_attention_sdpa, tree_attention_cpu
+
+    gen = torch.Generator().manual_seed(1)
+    segments, subtree_end, n = [], [], 0
+    for prompt_len, tails in ((3, (1, 2, 1, 3)), (4, (40,) * 6), (2, (2, 1)), (4, ())):
+        root = (n, n + prompt_len)
+        segments.append(SegmentRows(n, n + prompt_len, (), 0))
+        subtree_end += [n + prompt_len + sum(tails)] * prompt_len
+        n += prompt_len
+        for t in tails:
+            segments.append(SegmentRows(n, n + t, (root,), prompt_len))
+            subtree_end += [n + t] * t
+            n += t
+    heads, head_dim = 8, 64  # wide enough that the long subtree's dense square costs more than its paths
+    q = torch.randn(heads, n, head_dim, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, n, head_dim, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+            for _ in range(2))
+    grad = torch.randn(heads, n, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    masks: dict = {}
+    got = tree_attention_cpu(q, k, v, segments, torch.tensor(subtree_end), scale=0.2, masks=masks)
+    kinds = [isinstance(how, torch.Tensor) for _, _, how in masks["cpu_plan"]]
+    assert kinds == [True, False, True, False], kinds  # dense, paths, dense, a lone prompt (paths)
+    want = paths_attention_sdpa(q, k, v, segments, scale=0.2, window=None, external=((), ()))
+    for a, b in zip([got, *torch.autograd.grad(got, [q, k, v], grad)],
+                    [want, *torch.autograd.grad(want, [q, k, v], grad)], strict=True):
+        a, b = a.detach().double(), b.detach().double()
+        assert float((a - b).norm() / b.norm()) <= tol
+
+
 def test_train_config_accepts_the_replay_modes():
     from tailrace.engine.config import TrainConfig
 
