@@ -7,6 +7,7 @@ Run: pytest tests/tools/test_modelled.py
 
 import dataclasses
 import functools
+import random
 import time
 
 import pytest
@@ -179,11 +180,38 @@ def test_step_sleeps_the_measured_decode_cost(model):
     assert backend.stats.decode_s >= 0.055 and backend.stats.tokens_per_s > 0
 
 
+def test_speculation_modelled_as_the_measured_speedup_of_the_nearest_batch_size(model):
+    """Costs.speculate: each step sleeps the decode cost over spec_speedup at the nearest measured batch
+    size (4 rows: 2.5x; 1 row: 1.25x, nearer 1 than 4), the same tokens come out."""
+    plain = make_costs(decode_s=0.02)
+    spec = dataclasses.replace(plain, spec_speedup={1: 1.25, 4: 2.5}, speculate=True)
+    rng = random.Random(0)
+    assert spec.spec_decode_s(4, rng) in (0.02 / 2.5, 0.04 / 2.5)
+    assert spec.spec_decode_s(2, rng) == pytest.approx(0.02 / 1.25)
+    times, outputs = [], []
+    for costs in (plain, spec):
+        backend = modelled(model, costs)
+        start = time.monotonic()
+        outputs.append(run_all(backend, requests(1, 4)))
+        times.append(time.monotonic() - start)
+    assert {k: f.completion_ids.tolist() for k, f in outputs[0].items()} == \
+        {k: f.completion_ids.tolist() for k, f in outputs[1].items()}
+    assert times[1] < 0.75 * times[0]
+    with pytest.raises(ValueError, match="speculate needs spec_speedup"):
+        dataclasses.replace(plain, speculate=True)
+    with pytest.raises(ValueError, match="spec_speedup must be positive"):
+        dataclasses.replace(plain, spec_speedup={1: 0.0})
+
+
 def test_costs_file_round_trip_and_errors(tmp_path):
     costs = make_costs()
     costs.save(tmp_path / "costs.json")
     loaded = load_costs(tmp_path / "costs.json")
     assert loaded.to_json() == costs.to_json()
+    spec = dataclasses.replace(costs, spec_speedup={1: 1.5, 8: 1.2}, speculate=True)
+    spec.save(tmp_path / "spec.json")
+    assert load_costs(tmp_path / "spec.json").to_json() == spec.to_json()
+    assert load_costs(tmp_path / "spec.json").spec_speedup == {1: 1.5, 8: 1.2}
     (tmp_path / "bad.json").write_text('{"format": 99}')
     with pytest.raises(ValueError, match="costs file"):
         load_costs(tmp_path / "bad.json")

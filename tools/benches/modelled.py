@@ -4,7 +4,10 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
     ModelledBackend  the Backend interface (engine/generator/interface.py); step() sleeps one decode step drawn from the measured
                      step times of the running batch size (plus prefill of the admitted rows' distinct
                      prompts, as TorchBackend prefills a group's shared prompt once) and emits one
-                     token per row; each sample's length is drawn from the measured completions of
+                     token per row; with Costs.speculate (a benchmark's spec variant of the costs file)
+                     the step's sleep is divided by the speculative speedup measured at the nearest batch
+                     size (Costs.spec_speedup: decode throughput of the bandit over every drafter, with a
+                     trained drafter, over plain decoding), so the same tokens come that much sooner; each sample's length is drawn from the measured completions of
                      prompts of the nearest length, seeded by (group, sample), so every run of one
                      workload sees the same lengths
     ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
@@ -95,6 +98,10 @@ class Costs:
     completions: list[Completion]
     seed: int = 0
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
+    # running batch size -> decode throughput with speculation over without (measured with a trained
+    # drafter, the bandit choosing over every drafter); empty: speculation is not modelled
+    spec_speedup: dict[int, float] = field(default_factory=dict)
+    speculate: bool = False  # ModelledBackend decodes at the spec_speedup rate (a bench's spec variant file)
     _by_prompt: dict[int, list[Completion]] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -107,10 +114,19 @@ class Costs:
             if c.completion_tokens < 1 or c.finish_reason not in ("stop", "length"):
                 raise ValueError(f"costs: bad completion {c}")
             self._by_prompt.setdefault(c.prompt_tokens, []).append(c)
+        if any(not (0.0 < x < math.inf) for x in self.spec_speedup.values()):
+            raise ValueError(f"costs: spec_speedup must be positive and finite, got {self.spec_speedup}")
+        if self.speculate and not self.spec_speedup:
+            raise ValueError("costs: speculate needs spec_speedup (measured with a drafter)")
 
     def decode_s(self, batch_size: int, rng: random.Random) -> float:
         """One decode step of `batch_size` rows: a measured step of the nearest measured size."""
         return rng.choice(self.decode_step_s[_nearest(sorted(self.decode_step_s), batch_size)])
+
+    def spec_decode_s(self, batch_size: int, rng: random.Random) -> float:
+        """One decode step's worth of tokens with speculation: decode_s over the measured speedup at the
+        nearest measured batch size."""
+        return self.decode_s(batch_size, rng) / self.spec_speedup[_nearest(sorted(self.spec_speedup), batch_size)]
 
     def completion(self, prompt_tokens: int, rng: random.Random) -> Completion:
         """A measured completion of a prompt of the nearest measured length (ties: the shorter)."""
@@ -121,7 +137,9 @@ class Costs:
                 "decode_step_s": {str(k): v for k, v in sorted(self.decode_step_s.items())},
                 "prefill": [self.prefill.intercept_s, self.prefill.per_token_s],
                 "train": [self.train.intercept_s, self.train.per_token_s],
-                "completions": [[c.prompt_tokens, c.completion_tokens, c.finish_reason] for c in self.completions]}
+                "completions": [[c.prompt_tokens, c.completion_tokens, c.finish_reason] for c in self.completions],
+                "spec_speedup": {str(k): v for k, v in sorted(self.spec_speedup.items())},
+                "speculate": self.speculate}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -159,7 +177,9 @@ def load_costs(path: str | Path) -> Costs:
         return Costs(decode_step_s={int(k): [float(s) for s in v] for k, v in data["decode_step_s"].items()},
                      prefill=LinearCost(*map(float, data["prefill"])), train=LinearCost(*map(float, data["train"])),
                      completions=[Completion(int(p), int(n), str(r)) for p, n, r in data["completions"]],
-                     seed=int(data.get("seed", 0)), info=dict(data.get("info", {})))
+                     seed=int(data.get("seed", 0)), info=dict(data.get("info", {})),
+                     spec_speedup={int(k): float(v) for k, v in data.get("spec_speedup", {}).items()},
+                     speculate=bool(data.get("speculate", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"costs file: {path}: {exc}") from None
 
@@ -270,7 +290,8 @@ class ModelledBackend:
             self._rows.extend(new)
         if not self._rows:
             return []
-        time.sleep(prefill_s + self.costs.decode_s(len(self._rows), self._rng))
+        decode = self.costs.spec_decode_s if self.costs.speculate else self.costs.decode_s
+        time.sleep(prefill_s + decode(len(self._rows), self._rng))
         now = time.monotonic()
         done, keep = [], []
         for row in self._rows:
@@ -380,7 +401,8 @@ def backend_factory(costs: Costs) -> Callable[[Any], ModelledBackend]:
 
     def make(cfg: Any) -> ModelledBackend:
         if cfg.generator.speculation not in ("auto", "off"):  # auto: off on this backend
-            raise ValueError("generator.speculation: modelled compute does not model speculative decoding")
+            raise ValueError("generator.speculation: modelled compute models speculative decoding only as a "
+                             "costs file's speedup (Costs.speculate), not through the generator's drafters")
         return ModelledBackend(torch_backend(cfg), costs)
 
     return make

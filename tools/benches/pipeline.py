@@ -25,6 +25,11 @@ several ways, each as separate OS processes (a trainer and two generators over t
                      max_staleness s a group must be trained within s + 1 steps of its admission, so a step
                      lasts at least about 1 / (s + 1) of the longest group's generation: on a long-tail
                      workload that, not the scheduler, caps modelled_ratio near 2 at s = 1
+    modelled_stream+spec  modelled_stream whose generators decode at the speculative speedup measured per
+                     running batch size (measure_spec_speedup: the pretrained drafter, the bandit over every
+                     drafter): modelled_spec_ratio = modelled_sync_s / its time, and modelled_spec_over_stream
+                     = modelled_stream_s / its time, what speculation adds on top of streaming where the
+                     drafter and verifier do not share the trainer's cores (stream+spec's real runs do)
     stream_barrier   stream and modelled_stream with train.early_backward false (the step's forward/backward
     modelled_stream_barrier  only once its last group is in): early_backward_gain = their time / stream's,
                      modelled_ratio_barrier = modelled_sync_s / the modelled one's: the scheduling rule's gain
@@ -82,6 +87,8 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     # the scheduling rule's own gain: stream with the barrier inside the step (train.early_backward false)
     "modelled_stream_barrier": (1, True, BARRIER),
     "modelled_stream_s2": (2, True, ()),  # a looser bound: what max_staleness 1 costs on this workload
+    # modelled_stream with speculation's measured speedup (measure_spec_speedup), free of the CPU it shares
+    "modelled_stream+spec": (1, "spec", ()),
     "stream_barrier": (1, False, (*BARRIER, *PLAIN)),
     # speculation: from a drafter trained before the runs, and from an untrained one
     "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
@@ -283,6 +290,65 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
           info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
                 "load_1m_before": load_before, "load_1m_after": load_1m(), "train_points": train_points,
                 "data_seed": MEASURE_DATA_SEED, "num_layers": model.config.num_hidden_layers}).save(path)
+
+
+SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def measure_spec_speedup(w: Workload, drafter_dir: Path, costs_path: Path, spec_costs_path: Path, quick: bool,
+                         log: Callable[[str], None]) -> None:
+    """Decode throughput with speculation over without, per running batch size (SPEC_BATCH_SIZES up to
+    generator.max_batch_size), on GRPO groups of the workload's prompts (another data seed), with the
+    pretrained drafter and the bandit over every drafter (generator.speculation on), plain and speculative
+    backends stepping in turn (tools/benches/spec.py); decode time only, prefill is charged apart. Writes
+    the costs file again with spec_speedup, and its spec variant (speculate true) to spec_costs_path (run in
+    a child process)."""
+    import dataclasses
+
+    import torch
+
+    from tailrace.engine import models
+    from tailrace.engine.drafter import Drafter
+    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.bandit import SpecBandit, arms_for
+    from tools.benches.modelled import load_costs
+    from tools.benches.spec import _decode_all, _race, _since, _snapshot
+
+    torch.set_num_threads(1)
+    cfg = w.config()
+    tokenizer = models.load_tokenizer(cfg.model.path or "tiny")
+    model = models.load_model(cfg.model.path or "tiny", dtype=cfg.model.dtype).requires_grad_(False)
+    eos = models.eos_token_ids(model, tokenizer)
+    drafter = Drafter.load(drafter_dir, model)
+    max_prompt = model.config.max_position_embeddings - w.max_new_tokens
+    # The bandit first learns each batch size's arm on warm-up groups enough to fill that batch three
+    # times over (a generator's bandit runs all along), then both backends decode the measured groups.
+    num_measured = 6 if quick else 16
+    num_warmup = -(-3 * max(SPEC_BATCH_SIZES) // w.group_size)
+    prompts = _prompts(cfg, tokenizer, num_measured + num_warmup, MEASURE_DATA_SEED + 2, max_prompt)
+    warmup, measured = prompts[:num_warmup], prompts[num_warmup:]
+    sampling = _sampling(cfg, eos)
+
+    def groups(chunk):
+        return [Request(p.prompt_id, i, p.token_ids, sampling) for p in chunk for i in range(w.group_size)]
+
+    speedup = {}
+    for batch in (b for b in SPEC_BATCH_SIZES if b <= w.max_batch_size):
+        plain = TorchBackend(model, max_batch_size=batch, max_model_len=model.config.max_position_embeddings,
+                             eos_token_ids=eos, seed=1)
+        spec = TorchBackend(model, max_batch_size=batch, max_model_len=model.config.max_position_embeddings,
+                            eos_token_ids=eos, seed=2)
+        spec.enable_speculation(drafter, SpecBandit(arms_for(("eagle", "suffix")), seed=0), max_traces=0)
+        _decode_all(spec, groups(warmup[:-(-3 * batch // w.group_size)]), batch)
+        before, plain_before = _snapshot(spec), plain.stats.decode_s
+        totals = _race({"plain": plain, "spec": spec}, groups(measured), batch)
+        spec_rate = totals["spec"][0] / _since(spec, before)["decode_s"]
+        speedup[batch] = spec_rate / (totals["plain"][0] / (plain.stats.decode_s - plain_before))
+    log("speculative decode speedup by running batch (pretrained drafter, bandit over every drafter): "
+        + ", ".join(f"{b}: {x:.2f}x" for b, x in speedup.items()))
+    costs = dataclasses.replace(load_costs(costs_path), spec_speedup=speedup)
+    costs.save(costs_path)
+    dataclasses.replace(costs, speculate=True).save(spec_costs_path)
 
 
 def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str], None]) -> None:
@@ -500,6 +566,11 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, w
     pretrain.join()
     if pretrain.exitcode != 0:
         raise RuntimeError(f"training the drafter failed (exit code {pretrain.exitcode})")
+    spec_costs_path = work / "costs_spec.json"
+    measure = _start(measure_spec_speedup, w, drafter_dir, costs_path, spec_costs_path, quick, log)
+    measure.join()
+    if measure.exitcode != 0:
+        raise RuntimeError(f"measuring the speculative speedup failed (exit code {measure.exitcode})")
     # The full run repeats the modes in mirrored order (ABC CBA), so a drift in the machine's other
     # load weighs on every mode alike.
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
@@ -512,7 +583,7 @@ def run(quick: bool, log: Callable[[str], None], timeline: Path | None = None, w
                 "--trainer.stats_interval_s", "0.2", *(arg.replace("{drafter}", str(drafter_dir)) for arg in extra)]
         load = load_1m()
         r = run_pipeline(work / "runs", f"{i}-{mode}", args, steps, timeout_s=120 if quick else 600,
-                         costs_path=costs_path if modelled else None)
+                         costs_path=spec_costs_path if modelled == "spec" else costs_path if modelled else None)
         r["load_1m"] = load
         results[mode].append(r)
         if timeline is not None:
@@ -535,7 +606,7 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     s, t = _mean(results["sync"], "seconds"), _mean(results["stream"], "seconds")
     ms, mt = _mean(results["modelled_sync"], "seconds"), _mean(results["modelled_stream"], "seconds")
     trained = {modelled: {r["samples_trained"] for mode, runs in results.items() for r in runs
-                          if MODES[mode][1] == modelled} for modelled in (False, True)}
+                          if bool(MODES[mode][1]) == modelled} for modelled in (False, True)}
     # No schedule of the stream run's work beats its busiest process: trainer or one generator.
     busiest = statistics.fmean(max(r["trainer_busy_s"], *r["generator_busy_s"]) for r in results["modelled_stream"])
     lengths = sorted(c.completion_tokens for c in costs.completions)
@@ -560,6 +631,10 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
             "modelled_early_backward_gain": round(mbarrier_s / mt, 3)}
     s2_s = _mean(results["modelled_stream_s2"], "seconds")
     out |= {"modelled_stream_s2_s": round(s2_s, 3), "modelled_ratio_s2": round(ms / s2_s, 3)}
+    mspec_s = _mean(results["modelled_stream+spec"], "seconds")
+    out |= {"modelled_stream_spec_s": round(mspec_s, 3), "modelled_spec_ratio": round(ms / mspec_s, 3),
+            "modelled_spec_over_stream": round(mt / mspec_s, 3),
+            "spec_speedup_by_batch": {b: round(x, 3) for b, x in sorted(costs.spec_speedup.items())}}
     out |= {"samples_equal": all(len(v) == 1 for v in trained.values()),
             "ratio_target": RATIO_TARGET, "ratio_met": s / t > RATIO_TARGET,
             "modelled_ratio_target": MODELLED_RATIO_TARGET, "modelled_ratio_met": ms / mt >= MODELLED_RATIO_TARGET,
