@@ -22,6 +22,7 @@ Test: pytest tests/engine/test_backend.py
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,6 +63,17 @@ class _Seq:
     suffix: object = None  # speculative decoding: the sample's text in its prompt's suffix index
 
 
+def masked_gqa_on_cpu() -> None:
+    """Let Hugging Face's SDPA attention run grouped-query attention with a mask as one call on the key/value
+    heads (enable_gqa) instead of copying every key/value head per query head (repeat_kv), as it does for
+    any forward of more than one token with a mask unless TRANSFORMERS_SDPA_FORCE_GQA is set: PyTorch's CPU
+    kernels take the mask with enable_gqa (its CUDA ones fall back to the math kernel, so it is set for a
+    CPU backend only; a value the user set is kept). The same attention, without copying the cached
+    keys/values of every layer at each speculative verify and prefill: on the 12-layer tiny policy a
+    verify step of 4 tokens went from 4.8 to 4.3 ms. Process-wide: Transformers reads it at each call."""
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+
 class TorchBackend:
     """Continuous batching over a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3 families).
 
@@ -88,6 +100,8 @@ class TorchBackend:
         self._lm_head = model.get_output_embeddings()
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eager = model.config._attn_implementation == "eager"
+        if self.device.type == "cpu":
+            masked_gqa_on_cpu()
         self._cache_kwarg = cache_kwarg(self._base)
         self._generator = torch.Generator()
         if seed is None:

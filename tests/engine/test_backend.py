@@ -373,3 +373,29 @@ def test_outputs_are_ordinary_tensors_that_autograd_accepts():
                for f in done)
     loss.backward()  # the ids and log-probs were saved for backward: inference tensors would raise
     assert weight.grad is not None
+
+
+def test_cpu_backend_runs_masked_grouped_query_attention_without_copies_and_the_same_logits(monkeypatch):
+    """A CPU TorchBackend has Transformers' SDPA attention take a mask with enable_gqa instead of
+    repeat_kv (masked_gqa_on_cpu): the verify and prefill forwards of more than one token then give the
+    same logits as the copying path; a value the user set is kept."""
+    import os
+
+    from tailrace.engine.generator.backend import masked_gqa_on_cpu
+
+    model = make_model("qwen2")  # 4 query heads over 2 key/value heads
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=gen)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False  # a left-padded row: its first 3 columns are padding
+    mask[1, :, torch.arange(3), torch.arange(3)] = True  # which still see themselves
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    with torch.no_grad():
+        copying = model(ids, attention_mask=mask).logits
+        TorchBackend(model, max_batch_size=2, max_model_len=32, eos_token_ids=[])
+        assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1"
+        grouped = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(grouped, copying, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    masked_gqa_on_cpu()
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
