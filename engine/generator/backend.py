@@ -186,7 +186,8 @@ class TorchBackend:
         depth k of the drafter; 0 = a plain step); depth_policy.update gets each step's arm, emitted
         tokens and seconds. Finished rollouts leave traces for the spot trainer
         (at most max_traces kept, default 4 x max_batch_size; 0 keeps none and skips capturing them).
-        Call before any request runs."""
+        drafter None: suffix drafts only, none of the drafter's bookkeeping (no traces); a policy that
+        picks an eagle arm then gets a ValueError. Call before any request runs."""
         if self._seqs or self._kv.end:
             raise ValueError("enable_speculation must be called before the backend runs any request")
         if self._spec is not None:
@@ -209,8 +210,8 @@ class TorchBackend:
     @torch.no_grad()
     def update_drafter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new drafter weights between steps (validated first, as in Drafter.load_state)."""
-        if self._spec is None:
-            raise ValueError("update_drafter: speculation is not enabled")
+        if self._spec is None or self._spec.drafter is None:
+            raise ValueError("update_drafter: speculation is not enabled with an EAGLE drafter")
         self._spec.drafter.load_state(state_dict, version)
         self._spec.drafter_changed()
 

@@ -121,7 +121,9 @@ class GeneratorService:
             from tailrace.engine.generator.bandit import SpecBandit, arms_for
             from tailrace.engine.generator.spot import SpotTrainer
 
-            drafter = load_or_create(cfg.generator.drafter_path or None, self.backend.model)
+            # Model-free drafts alone (auto on a CPU without a drafter_path) need no drafter model.
+            drafter = (load_or_create(cfg.generator.drafter_path or None, self.backend.model)
+                       if "eagle" in drafters else None)
             self.bandit = SpecBandit(arms_for(drafters))
             train = spot_training(cfg, self.backend)  # the suffix drafter needs no training
             self.backend.enable_speculation(drafter, self.bandit, max_traces=None if train else 0)

@@ -167,7 +167,9 @@ def telemetry(backend, *sources) -> dict[str, float]:
     stats() (the bandit's choices, the spot trainer's progress); empty without speculation."""
     if backend.spec_stats is None:
         return {}
-    out = {**backend.spec_stats.counters(), "generator/spec/drafter_version": backend.drafter.version}
+    out = backend.spec_stats.counters()
+    if backend.drafter is not None:
+        out["generator/spec/drafter_version"] = backend.drafter.version
     for source in sources:
         out.update(source.stats())
     return out
@@ -261,16 +263,22 @@ class SpeculativeDecoder:
     """The drafter's share of the backend: its cache layer, per-column token ids and hidden states,
     per-row pending features, and the speculative step. Created by TorchBackend.enable_speculation."""
 
-    def __init__(self, backend, drafter: Drafter, max_traces: int):
+    def __init__(self, backend, drafter: Drafter | None, max_traces: int):
+        """drafter None: model-free (suffix) drafts only, without the EAGLE drafter's cache layer, column
+        states and per-step bookkeeping (and without traces: they are the drafter's training data)."""
         self.backend = backend
-        self.drafter = drafter.eval()
+        self.drafter = None if drafter is None else drafter.eval()
+        self.eagle = drafter is not None
         kv = backend._kv
-        self.layer = kv.add_layer()
-        hidden, dtype = drafter.config.hidden_size, backend._lm_head.weight.dtype
-        self.ids_RC = kv.add_column_state(1, torch.long)[..., 0]  # a view: layout changes move it in place
-        self.pos_RC = kv.add_column_state(1, torch.long)[..., 0]  # the token's position (not its column)
-        self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
-        self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
+        if self.eagle:
+            self.layer = kv.add_layer()
+            hidden, dtype = drafter.config.hidden_size, backend._lm_head.weight.dtype
+            self.ids_RC = kv.add_column_state(1, torch.long)[..., 0]  # a view: layout changes move it in place
+            self.pos_RC = kv.add_column_state(1, torch.long)[..., 0]  # the token's position (not its column)
+            self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
+            self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
+        else:
+            max_traces = 0
         self.stale_back = 0  # columns end - stale_back .. end - 1 lack true-feature drafter keys/values
         self._stale_carry = 0  # a suffix step's stale columns before its own (commit adds them)
         self.suffix = SuffixDrafter()
@@ -285,6 +293,8 @@ class SpeculativeDecoder:
     def on_admit(self, first: int, lengths: list[int], ids_bT: torch.Tensor | None,
                  hidden_bTH: torch.Tensor | None) -> None:
         """New rows first.. were prefilled with ids_bT (left-padded, ending at column end)."""
+        if not self.eagle:
+            return
         kv, rows = self.backend._kv, slice(first, first + len(lengths))
         self.pending_feat_RH[rows] = 0.0
         if ids_bT is None:
@@ -303,21 +313,26 @@ class SpeculativeDecoder:
         self.stale_back = max(self.stale_back, width)
 
     def before_plain_forward(self, num_rows: int, col: int) -> None:
+        if not self.eagle:
+            return
         self.ids_RC[:num_rows, col] = self.backend._pending_R[:num_rows]
         self.pos_RC[:num_rows, col] = self.backend._pos_R[:num_rows]
         self.feats_RCH[:num_rows, col] = self.pending_feat_RH[:num_rows]
 
     def after_plain_forward(self, num_rows: int, hidden_BH: torch.Tensor) -> None:
-        self.pending_feat_RH[:num_rows] = hidden_BH
-        self.stale_back += 1
         self.stats.num_plain_steps += 1
+        if self.eagle:
+            self.pending_feat_RH[:num_rows] = hidden_BH
+            self.stale_back += 1
 
     def row_states(self) -> tuple[torch.Tensor, ...]:
         """Per-row state the backend compacts with its own when rows leave."""
-        return (self.pending_feat_RH,)
+        return (self.pending_feat_RH,) if self.eagle else ()
 
     def drafter_changed(self) -> None:
         """New drafter weights: every cached drafter key/value is recomputed at the next step."""
+        if not self.eagle:
+            return
         kv = self.backend._kv
         self.stale_back = kv.end - kv.lo
 
@@ -340,6 +355,8 @@ class SpeculativeDecoder:
         committed."""
         k, suffix = arm.k, arm.drafter == "suffix"
         assert 1 <= k <= MAX_DRAFT_TOKENS
+        if not (suffix or self.eagle):
+            raise ValueError(f"speculation arm {arm}: speculation was enabled without an EAGLE drafter")
         b, kv = self.backend, self.backend._kv
         num_rows = len(b._seqs)
         kv.make_room(num_rows, k + 1)
@@ -373,8 +390,9 @@ class SpeculativeDecoder:
         b = self.backend
         # The pending column gets its drafter inputs as in a plain step; its drafter keys/values, and
         # those of this step's columns, are computed at the next eagle step.
-        self.before_plain_forward(num_rows, b._kv.end)
-        self._stale_carry = self.stale_back + 1
+        if self.eagle:
+            self.before_plain_forward(num_rows, b._kv.end)
+            self._stale_carry = self.stale_back + 1
         texts = []
         for seq in b._seqs:
             if seq.suffix is None:
@@ -484,18 +502,19 @@ class SpeculativeDecoder:
         arange_N = self._aranges(k + 1)
         # The pending token and the first num_emit - 1 drafts stay; the last emitted token is pending.
         kv.valid_RC[rows, end:end + k + 1] = arange_N[None, :] < num_emit_B[:, None]
-        self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]
-        self.pos_RC[rows, end + 1:end + k + 1] = b._pos_R[rows, None] + arange_N[1:]
-        self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
-        last_B = num_emit_B - 1
-        self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
         max_emit = max(emit_counts)
         kv.end = end + max_emit
-        # After an eagle step the pending column's drafter keys/values were computed from its true
-        # feature; the emitted drafts after it were fed predicted features, so they are recomputed at
-        # the next step. A suffix step adds its columns to the stale ones it found (_stale_carry).
-        self.stale_back = max_emit - 1 + self._stale_carry
-        self._stale_carry = 0
+        if self.eagle:
+            self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]
+            self.pos_RC[rows, end + 1:end + k + 1] = b._pos_R[rows, None] + arange_N[1:]
+            self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
+            last_B = num_emit_B - 1
+            self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
+            # After an eagle step the pending column's drafter keys/values were computed from its true
+            # feature; the emitted drafts after it were fed predicted features, so they are recomputed
+            # at the next step. A suffix step adds its columns to the stale ones it found (_stale_carry).
+            self.stale_back = max_emit - 1 + self._stale_carry
+            self._stale_carry = 0
         self.stats.num_drafted += k * num_rows
         self.stats.num_emitted += sum(emit_counts)
         accept_counts = [0] * (k + 1)
