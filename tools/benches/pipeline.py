@@ -56,7 +56,8 @@ it means the workload's balance of compute, not the scheduler, limits the gain (
 modelled_ratio / modelled_ratio_bound). rollout_share_[modelled_]sync: the trainer's idle share of a sync
 run, i.e. what of a synchronous step is rollout (and weights out); completion_len_p99_over_median of the
 measured completions: both check the long-tail workload's claim in the output. The full run repeats
-every mode twice (ABCDEF FEDCBA) and reports means.
+every mode twice (ABCDEF FEDCBA, real modes first and each next to the one it is compared with) and
+reports means.
 """
 
 from __future__ import annotations
@@ -80,9 +81,20 @@ DRAFTER_TRAIN_S = {True: 20.0, False: 60.0}  # spot training before the runs (st
 NUM_GENERATORS = 2
 BARRIER = ("--train.early_backward", "false")  # sync: the whole batch generated, then the whole step
 PLAIN = ("--generator.speculation", "off")  # the default (auto) may speculate: the plain modes say off
-MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides)
+MODES = {  # name -> (controller.max_staleness, modelled compute, extra overrides), in the order they run
+    # Real runs first and each beside what it is compared with (the full run mirrors the order, so every
+    # mode's mean position is the same, but runs in the middle of it were measured 4-10% slower than at
+    # its ends on this machine: stream-spans, less work than stream, came out slower); the modelled runs,
+    # sleeps that the machine's drift barely moves, in the middle.
     "sync": (0, False, (*BARRIER, *PLAIN)),
     "stream": (1, False, PLAIN),
+    "stream+default": (1, False, ()),  # the default settings (speculation auto), against plain stream
+    # telemetry's cost: stream without spans (metrics.spans false), against stream
+    "stream-spans": (1, False, ("--metrics.spans", "false", *PLAIN)),
+    "stream_barrier": (1, False, (*BARRIER, *PLAIN)),
+    # speculation: from a drafter trained before the runs, and from an untrained one
+    "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
+    "stream+spec_cold": (1, False, ("--generator.speculation", "on")),
     "modelled_sync": (0, True, BARRIER),
     "modelled_stream": (1, True, ()),
     # the scheduling rule's own gain: stream with the barrier inside the step (train.early_backward false)
@@ -91,13 +103,6 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     "modelled_stream_s4": (4, True, ()),  # looser still (AReaL's runs go to 4 and beyond)
     # modelled_stream with speculation's measured speedup (measure_spec_speedup), free of the CPU it shares
     "modelled_stream+spec": (1, "spec", ()),
-    "stream_barrier": (1, False, (*BARRIER, *PLAIN)),
-    # speculation: from a drafter trained before the runs, and from an untrained one
-    "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
-    "stream+spec_cold": (1, False, ("--generator.speculation", "on")),
-    "stream+default": (1, False, ()),  # the default settings (speculation auto), against plain stream
-    # telemetry's cost: stream without spans (metrics.spans false), against stream
-    "stream-spans": (1, False, ("--metrics.spans", "false", *PLAIN)),
 }
 _fork = multiprocessing.get_context("fork")
 
