@@ -268,7 +268,6 @@ class SpeculativeDecoder:
         states and per-step bookkeeping (and without traces: they are the drafter's training data)."""
         self.backend = backend
         self.drafter = None if drafter is None else drafter.eval()
-        self.eagle = drafter is not None
         kv = backend._kv
         if self.eagle:
             self.layer = kv.add_layer()
@@ -287,6 +286,11 @@ class SpeculativeDecoder:
         self._batches: dict[int, SamplingBatch] = {}
         self._batch_of: SamplingBatch | None = None
         self._arange_of: dict[int, torch.Tensor] = {}
+
+    @property
+    def eagle(self) -> bool:
+        """Whether the EAGLE drafter is attached (else suffix drafts only, none of its bookkeeping)."""
+        return self.drafter is not None
 
     # ------------------------------------------------------------------ bookkeeping hooks (plain paths)
 

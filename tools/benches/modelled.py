@@ -7,9 +7,10 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      token per row; with Costs.speculate (a benchmark's spec variant of the costs file)
                      the step's sleep is divided by the speculative speedup measured at the nearest batch
                      size (Costs.spec_speedup: decode throughput of the bandit over every drafter, with a
-                     trained drafter, over plain decoding), so the same tokens come that much sooner; each sample's length is drawn from the measured completions of
-                     prompts of the nearest length, seeded by (group, sample), so every run of one
-                     workload sees the same lengths
+                     trained drafter, over plain decoding), so the same tokens come that much sooner;
+                     each sample's length is drawn from the measured completions of prompts of the
+                     nearest length, seeded by (group, sample), so every run of one workload sees the
+                     same lengths
     ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
                      the tokens the naive trainer runs (padded micro-batches), b * tokens of it early for
                      the groups accumulate() took; advances step_count and policy_version, and leaves the
