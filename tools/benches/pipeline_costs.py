@@ -13,10 +13,9 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from tools.benches.pipeline import Workload
+Workload = Any  # tools.benches.pipeline.Workload (not imported: pipeline imports this module)
 
 MEASURE_DATA_SEED = 7919  # the length distribution is sampled on other prompts than the runs train on
 DRAFTER_TRAIN_S = {True: 20.0, False: 60.0}  # spot training before the runs (stream+spec), by --quick
