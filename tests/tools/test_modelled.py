@@ -212,6 +212,10 @@ def test_costs_file_round_trip_and_errors(tmp_path):
     spec.save(tmp_path / "spec.json")
     assert load_costs(tmp_path / "spec.json").to_json() == spec.to_json()
     assert load_costs(tmp_path / "spec.json").spec_speedup == {1: 1.5, 8: 1.2}
+    calls = dataclasses.replace(costs, call=LinearCost(0.03, 2e-4), optimizer_s=0.01)
+    calls.save(tmp_path / "calls.json")
+    assert load_costs(tmp_path / "calls.json").to_json() == calls.to_json()
+    assert load_costs(tmp_path / "calls.json").call == LinearCost(0.03, 2e-4)
     (tmp_path / "bad.json").write_text('{"format": 99}')
     with pytest.raises(ValueError, match="costs file"):
         load_costs(tmp_path / "bad.json")
@@ -252,6 +256,33 @@ def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
     with pytest.raises(ValueError):
         learner.step([])
+
+
+def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model):
+    """accumulate() sleeps a whole call (Costs.call), fixed part included, and the step after it the
+    optimizer's share plus one call over the groups not accumulated: four early calls of one group each
+    cost four fixed parts, as on the real learner; a step with nothing accumulated costs Costs.train."""
+    call, optimizer = LinearCost(0.03, 1e-4), 0.01
+    learner = ModelledLearner(tiny_model(), LearnerConfig(micro_batch_tokens=64),
+                              costs=dataclasses.replace(make_costs(train=LinearCost(0.035, 1e-4)), call=call,
+                                                        optimizer_s=optimizer))
+    slept = []
+    learner._sleep = slept.append
+    batch = [_group(i, [2, 5, 3]) for i in range(4)]
+    tokens = [train_tokens(g.samples, 64) for g in batch]
+    all_tokens = train_tokens([s for g in batch for s in g.samples], 64)
+    for group in batch[:3]:
+        assert learner.accumulate([group])
+    metrics = learner.step(batch)
+    assert slept == pytest.approx([call(t) for t in tokens[:3]] + [optimizer + call(tokens[3])])
+    assert metrics["trainer/modelled/step_s"] == pytest.approx(optimizer + call(tokens[3]))
+    slept.clear()
+    learner.accumulate(batch)
+    learner.step(batch)  # everything accumulated: the optimizer alone
+    assert slept == pytest.approx([call(all_tokens), optimizer])
+    slept.clear()
+    learner.step(batch)
+    assert slept == pytest.approx([LinearCost(0.035, 1e-4)(all_tokens)])
 
 
 def test_the_services_take_modelled_compute_through_their_seams(tmp_path):

@@ -12,8 +12,10 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      nearest length, seeded by (group, sample), so every run of one workload sees the
                      same lengths
     ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
-                     the tokens the naive trainer runs (padded micro-batches), b * tokens of it early for
-                     the groups accumulate() took; advances step_count and policy_version, and leaves the
+                     the tokens the naive trainer runs (padded micro-batches); accumulate() sleeps a
+                     forward/backward call's measured cost (Costs.call: its fixed part paid by every call)
+                     and the step that follows the optimizer's (Costs.optimizer_s) plus a call over the
+                     groups not accumulated; advances step_count and policy_version, and leaves the
                      weights alone
     role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
                      (GeneratorService make_backend, TrainerService make_learner)
@@ -103,6 +105,10 @@ class Costs:
     # drafter, the bandit choosing over every drafter); empty: speculation is not modelled
     spec_speedup: dict[int, float] = field(default_factory=dict)
     speculate: bool = False  # ModelledBackend decodes at the spec_speedup rate (a bench's spec variant file)
+    # One forward/backward call (Learner.accumulate) over train_tokens, and the step after every group was
+    # accumulated (the optimizer's part). None: an early call is charged per token only (no fixed part).
+    call: LinearCost | None = None
+    optimizer_s: float = 0.0
     _by_prompt: dict[int, list[Completion]] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -140,7 +146,9 @@ class Costs:
                 "train": [self.train.intercept_s, self.train.per_token_s],
                 "completions": [[c.prompt_tokens, c.completion_tokens, c.finish_reason] for c in self.completions],
                 "spec_speedup": {str(k): v for k, v in sorted(self.spec_speedup.items())},
-                "speculate": self.speculate}
+                "speculate": self.speculate,
+                **({"call": [self.call.intercept_s, self.call.per_token_s], "optimizer_s": self.optimizer_s}
+                   if self.call is not None else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -180,7 +188,9 @@ def load_costs(path: str | Path) -> Costs:
                      completions=[Completion(int(p), int(n), str(r)) for p, n, r in data["completions"]],
                      seed=int(data.get("seed", 0)), info=dict(data.get("info", {})),
                      spec_speedup={int(k): float(v) for k, v in data.get("spec_speedup", {}).items()},
-                     speculate=bool(data.get("speculate", False)))
+                     speculate=bool(data.get("speculate", False)),
+                     call=LinearCost(*map(float, data["call"])) if "call" in data else None,
+                     optimizer_s=float(data.get("optimizer_s", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"costs file: {path}: {exc}") from None
 
@@ -335,9 +345,9 @@ class ModelledBackend:
 
 class ModelledLearner(Learner):
     """A Learner whose step sleeps the modelled training time of the batch (costs.train of its
-    train_tokens), advances step_count and policy_version, and returns the metrics a real step reports
-    about the batch. The model and the optimizer are built as a real learner's (checkpoints save them)
-    but never touched."""
+    train_tokens; after accumulate() calls, the optimizer's share and a call over the rest), advances
+    step_count and policy_version, and returns the metrics a real step reports about the batch. The model
+    and the optimizer are built as a real learner's (checkpoints save them) but never touched."""
 
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, costs: Costs, **kwargs: Any):
         if (config.ppo_epochs, config.minibatches) != (1, 1):
@@ -347,10 +357,12 @@ class ModelledLearner(Learner):
         self._overslept_s = 0.0
 
     def accumulate(self, groups: Sequence[Group]) -> bool:
-        """Learner.accumulate modelled: the forward/backward share of the groups' cost (per token, no
-        intercept: that is the optimizer step's, paid in step)."""
-        padded = train_tokens(flatten_samples(groups), self.config.micro_batch_tokens, self.config.replay)
-        self._sleep(self.costs.train.per_token_s * padded)
+        """Learner.accumulate modelled: one forward/backward call over the groups (Costs.call, or without
+        it the per-token share of Costs.train)."""
+        samples = flatten_samples(groups)
+        padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
+        seconds = self.costs.call(padded) if self.costs.call else self.costs.train.per_token_s * padded
+        self._sleep(seconds)
         self._accumulated.update(g.group_id for g in groups)
         return True
 
@@ -369,10 +381,16 @@ class ModelledLearner(Learner):
         tokens = sum(s.num_tokens for s in samples)
         padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
         rest = [u for u in batch if getattr(u, "group_id", None) not in self._accumulated]
-        self._accumulated = set()
+        accumulated, self._accumulated = self._accumulated, set()
         rest_padded = train_tokens(flatten_samples(rest), self.config.micro_batch_tokens, self.config.replay) \
             if rest else 0
-        modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
+        call = self.costs.call
+        if call is None:  # the step's fixed part, and the per-token part of what was not accumulated
+            modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
+        elif accumulated:  # the optimizer, and one call over the rest
+            modelled_s = self.costs.optimizer_s + (call(rest_padded) if rest else 0.0)
+        else:  # a whole step, as measured
+            modelled_s = self.costs.train(padded)
         self._sleep(modelled_s)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1

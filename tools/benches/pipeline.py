@@ -41,8 +41,10 @@ With --timeline DIR (python tools/bench.py pipeline --timeline DIR): DIR/MODE/ti
 mode's (first) run, and DIR/sync_vs_stream/ with the two side by side (tools/timeline.py).
 
 Measuring (tools/benches/pipeline_costs.py, a child process, one torch thread like each role): CPU
-seconds of real decode steps at every batch size 1..generator.max_batch_size, of prefill, and of training
-steps against the tokens the trainer runs (CPU time, not wall time, so that other load on the machine does not inflate the costs); and
+seconds of real decode steps at every batch size 1..generator.max_batch_size, of prefill, of training
+steps against the tokens the trainer runs, and of early forward/backward calls (Learner.accumulate) and the
+optimizer step after them, so that a modelled early call pays a call's fixed cost as a real one does (CPU
+time, not wall time, so that other load on the machine does not inflate the costs); and
 completions of the task by the real model (another data seed than the runs) for the length distribution.
 
 Processes: this process imports torch and transformers once and forks each role, which then runs

@@ -102,9 +102,11 @@ def measure_completions(cfg, model, tokenizer, prompts) -> list:
     return finished
 
 
-def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[tuple[int, float]]:
+def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[list, list, list]:
     """(train tokens, CPU seconds) of real learner steps, the trainer's config, on batches of `sizes`
-    groups of the real completions."""
+    groups of the real completions; then of forward/backward calls (Learner.accumulate) of those sizes,
+    and (third) the CPU seconds of the step that follows each, when every group was accumulated: the
+    optimizer's share."""
     from tailrace.engine import models, tasks
     from tailrace.engine.samples import Group, TrainSample, flatten_samples
     from tailrace.engine.trainer.learner import Learner
@@ -126,15 +128,21 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> list[t
     model.train()
     learner = Learner(model, learner_config(cfg))
     learner.step(all_groups[:1])  # warm-up: optimizer state, allocator
-    points = []
-    for i, size in enumerate(sizes):
-        first = (3 * i) % max(1, len(all_groups) - size + 1)  # other groups each time: a spread of lengths
-        batch = all_groups[first: first + size]
-        start = time.process_time()
-        learner.step(batch)
-        points.append((train_tokens(flatten_samples(batch), cfg.train.micro_batch_tokens, cfg.train.replay),
-                       time.process_time() - start))
-    return points
+    points, calls, optimizer = [], [], []
+    for accumulate in (False, True):
+        for i, size in enumerate(sizes):
+            first = (3 * i) % max(1, len(all_groups) - size + 1)  # other groups each time: a spread of lengths
+            batch = all_groups[first: first + size]
+            tokens = train_tokens(flatten_samples(batch), cfg.train.micro_batch_tokens, cfg.train.replay)
+            start = time.process_time()
+            if accumulate:
+                learner.accumulate(batch)
+                calls.append((tokens, time.process_time() - start))
+                start = time.process_time()
+            learner.step(batch)
+            (optimizer.append(time.process_time() - start) if accumulate
+             else points.append((tokens, time.process_time() - start)))
+    return points, calls, optimizer
 
 
 def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], None]) -> None:
@@ -161,13 +169,19 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     log(f"completions: {len(lengths)} samples, median {statistics.median(lengths)} tokens, "
         f"p99 {_quantile(lengths, 0.99)}, max {lengths[-1]}, "
         f"{sum(c.finish_reason == 'length' for c in completions)} cut at max_new_tokens")
-    train_points = measure_train(cfg, tokenizer, prompts, finished, [2, 8, 4] if quick else [1, 2, 4, 8, 12, 8, 4, 16])
-    train = LinearCost.fit(train_points)
+    train_points, call_points, optimizer = measure_train(cfg, tokenizer, prompts, finished,
+                                                         [2, 8, 4] if quick else [1, 2, 4, 8, 12, 8, 4, 16])
+    train, call = LinearCost.fit(train_points), LinearCost.fit(call_points)
+    optimizer_s = statistics.median(optimizer)
     log(f"train step: {train.intercept_s * 1e3:.1f} ms + {train.per_token_s * 1e6:.1f} us per padded token "
-        f"({', '.join(f'{t} tokens {s:.3f} s' for t, s in train_points)})")
-    Costs(decode_step_s=decode, prefill=LinearCost.fit(prefill), train=train, completions=completions,
+        f"({', '.join(f'{t} tokens {s:.3f} s' for t, s in train_points)}); a forward/backward call: "
+        f"{call.intercept_s * 1e3:.1f} ms + {call.per_token_s * 1e6:.1f} us per token, the optimizer step "
+        f"after it {optimizer_s * 1e3:.1f} ms")
+    Costs(decode_step_s=decode, prefill=LinearCost.fit(prefill), train=train, call=call, optimizer_s=optimizer_s,
+          completions=completions,
           info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
                 "load_1m_before": load_before, "load_1m_after": load_1m(), "train_points": train_points,
+                "call_points": call_points,
                 "data_seed": MEASURE_DATA_SEED, "num_layers": model.config.num_hidden_layers}).save(path)
 
 
