@@ -22,6 +22,7 @@ from tools.benches.modelled import (
     Completion,
     Costs,
     LinearCost,
+    MeasuredCost,
     ModelledBackend,
     ModelledLearner,
     load_costs,
@@ -212,10 +213,10 @@ def test_costs_file_round_trip_and_errors(tmp_path):
     spec.save(tmp_path / "spec.json")
     assert load_costs(tmp_path / "spec.json").to_json() == spec.to_json()
     assert load_costs(tmp_path / "spec.json").spec_speedup == {1: 1.5, 8: 1.2}
-    calls = dataclasses.replace(costs, call=LinearCost(0.03, 2e-4), optimizer_s=0.01)
+    calls = dataclasses.replace(costs, call=MeasuredCost.of([(10, 0.03), (50, 0.04)]), optimizer_s=0.01)
     calls.save(tmp_path / "calls.json")
     assert load_costs(tmp_path / "calls.json").to_json() == calls.to_json()
-    assert load_costs(tmp_path / "calls.json").call == LinearCost(0.03, 2e-4)
+    assert load_costs(tmp_path / "calls.json").call == calls.call
     (tmp_path / "bad.json").write_text('{"format": 99}')
     with pytest.raises(ValueError, match="costs file"):
         load_costs(tmp_path / "bad.json")
@@ -259,13 +260,12 @@ def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(
 
 
 def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model):
-    """accumulate() sleeps a whole call (Costs.call), fixed part included, and the step after it the
-    optimizer's share plus one call over the groups not accumulated: four early calls of one group each
-    cost four fixed parts, as on the real learner; a step with nothing accumulated costs Costs.train."""
-    call, optimizer = LinearCost(0.03, 1e-4), 0.01
+    """accumulate() sleeps a whole call (Costs.call), fixed part included, and a step the optimizer's share
+    plus one call over the groups not accumulated: three early calls of one group each cost three fixed
+    parts, as on the real learner, against one for a step that runs all four."""
+    call, optimizer = MeasuredCost.of([(10, 0.03), (40, 0.033), (80, 0.04), (40, 0.031)]), 0.01
     learner = ModelledLearner(tiny_model(), LearnerConfig(micro_batch_tokens=64),
-                              costs=dataclasses.replace(make_costs(train=LinearCost(0.035, 1e-4)), call=call,
-                                                        optimizer_s=optimizer))
+                              costs=dataclasses.replace(make_costs(), call=call, optimizer_s=optimizer))
     slept = []
     learner._sleep = slept.append
     batch = [_group(i, [2, 5, 3]) for i in range(4)]
@@ -277,12 +277,24 @@ def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model):
     assert slept == pytest.approx([call(t) for t in tokens[:3]] + [optimizer + call(tokens[3])])
     assert metrics["trainer/modelled/step_s"] == pytest.approx(optimizer + call(tokens[3]))
     slept.clear()
+    learner.step(batch)  # nothing accumulated: one call over all of it
+    assert slept == pytest.approx([optimizer + call(all_tokens)])
+    assert sum(call(t) for t in tokens) > 3 * 0.03 > call(all_tokens)
+    slept.clear()
     learner.accumulate(batch)
     learner.step(batch)  # everything accumulated: the optimizer alone
     assert slept == pytest.approx([call(all_tokens), optimizer])
-    slept.clear()
-    learner.step(batch)
-    assert slept == pytest.approx([LinearCost(0.035, 1e-4)(all_tokens)])
+
+
+def test_measured_cost_interpolates_its_points():
+    cost = MeasuredCost.of([(100, 0.05), (20, 0.03), (100, 0.07), (60, 0.02), (300, 0.25)])
+    # medians per token count, then non-decreasing: (20, 0.03), (60, 0.03), (100, 0.06), (300, 0.25)
+    assert [t for t, _ in cost.points] == [20.0, 60.0, 100.0, 300.0]
+    assert [s for _, s in cost.points] == pytest.approx([0.03, 0.03, 0.06, 0.25])
+    assert cost(5) == 0.03 and cost(20) == 0.03 and cost(80) == pytest.approx(0.045)
+    assert cost(300) == 0.25 and cost(580) == pytest.approx(0.25 + 280 * 0.22 / 280)
+    with pytest.raises(ValueError):
+        MeasuredCost.of([])
 
 
 def test_the_services_take_modelled_compute_through_their_seams(tmp_path):

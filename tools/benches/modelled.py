@@ -11,12 +11,12 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
                      each sample's length is drawn from the measured completions of prompts of the
                      nearest length, seeded by (group, sample), so every run of one workload sees the
                      same lengths
-    ModelledLearner  a Learner whose step sleeps a + b * tokens, fitted to measured training steps against
-                     the tokens the naive trainer runs (padded micro-batches); accumulate() sleeps a
-                     forward/backward call's measured cost (Costs.call: its fixed part paid by every call)
-                     and the step that follows the optimizer's (Costs.optimizer_s) plus a call over the
-                     groups not accumulated; advances step_count and policy_version, and leaves the
-                     weights alone
+    ModelledLearner  a Learner whose accumulate() sleeps a forward/backward call's measured cost over the
+                     tokens it runs (Costs.call, interpolated between calls measured at several sizes: a
+                     call's fixed part is paid by every call) and whose step sleeps the optimizer's
+                     (Costs.optimizer_s) plus one call over the groups not accumulated (without Costs.call:
+                     a + b * tokens fitted to measured steps, early calls per token only); advances
+                     step_count and policy_version, and leaves the weights alone
     role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
                      (GeneratorService make_backend, TrainerService make_learner)
 
@@ -83,6 +83,43 @@ class LinearCost:
 
 
 @dataclass(frozen=True)
+class MeasuredCost:
+    """Seconds at measured token counts, linear between them; below the smallest, its seconds (a call's
+    fixed part dominates there); above the largest, on at the mean rate from the smallest to the largest.
+    A forward/backward call is not linear in its tokens: a fixed part (28 ms on the 12-layer long-tail
+    policy on a CPU) for small calls, attention growing with long samples for large ones, so a line
+    fitted across both sizes puts its intercept near zero and undercharges every small call."""
+
+    points: tuple[tuple[float, float], ...]  # (tokens, seconds), tokens strictly ascending
+
+    @classmethod
+    def of(cls, points: Iterable[tuple[float, float]]) -> MeasuredCost:
+        """From measurements: the median of those at one token count, then seconds made non-decreasing
+        in tokens (a later, larger call measured faster is noise)."""
+        by_tokens: dict[float, list[float]] = {}
+        for tokens, seconds in points:
+            by_tokens.setdefault(float(tokens), []).append(float(seconds))
+        if not by_tokens:
+            raise ValueError("a measured cost needs at least one point")
+        out, floor = [], 0.0
+        for tokens in sorted(by_tokens):
+            floor = max(floor, statistics.median(by_tokens[tokens]))
+            out.append((tokens, floor))
+        return cls(tuple(out))
+
+    def __call__(self, tokens: int) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        i = bisect.bisect_left([t for t, _ in pts], tokens)
+        if i < len(pts):
+            (t0, s0), (t1, s1) = pts[i - 1], pts[i]
+            return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        rate = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) if len(pts) > 1 else 0.0
+        return pts[-1][1] + rate * (tokens - pts[-1][0])
+
+
+@dataclass(frozen=True)
 class Completion:
     """One measured sample: prompt and completion length in tokens, and how it ended."""
 
@@ -107,7 +144,7 @@ class Costs:
     speculate: bool = False  # ModelledBackend decodes at the spec_speedup rate (a bench's spec variant file)
     # One forward/backward call (Learner.accumulate) over train_tokens, and the step after every group was
     # accumulated (the optimizer's part). None: an early call is charged per token only (no fixed part).
-    call: LinearCost | None = None
+    call: MeasuredCost | None = None
     optimizer_s: float = 0.0
     _by_prompt: dict[int, list[Completion]] = field(init=False, repr=False)
 
@@ -147,7 +184,7 @@ class Costs:
                 "completions": [[c.prompt_tokens, c.completion_tokens, c.finish_reason] for c in self.completions],
                 "spec_speedup": {str(k): v for k, v in sorted(self.spec_speedup.items())},
                 "speculate": self.speculate,
-                **({"call": [self.call.intercept_s, self.call.per_token_s], "optimizer_s": self.optimizer_s}
+                **({"call": [list(p) for p in self.call.points], "optimizer_s": self.optimizer_s}
                    if self.call is not None else {})}
 
     def save(self, path: str | Path) -> None:
@@ -189,7 +226,7 @@ def load_costs(path: str | Path) -> Costs:
                      seed=int(data.get("seed", 0)), info=dict(data.get("info", {})),
                      spec_speedup={int(k): float(v) for k, v in data.get("spec_speedup", {}).items()},
                      speculate=bool(data.get("speculate", False)),
-                     call=LinearCost(*map(float, data["call"])) if "call" in data else None,
+                     call=MeasuredCost.of(tuple(map(float, p)) for p in data["call"]) if "call" in data else None,
                      optimizer_s=float(data.get("optimizer_s", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"costs file: {path}: {exc}") from None
@@ -344,8 +381,8 @@ class ModelledBackend:
 
 
 class ModelledLearner(Learner):
-    """A Learner whose step sleeps the modelled training time of the batch (costs.train of its
-    train_tokens; after accumulate() calls, the optimizer's share and a call over the rest), advances
+    """A Learner whose step sleeps the modelled training time of the batch (the optimizer's share and a
+    call over the groups accumulate() did not run; without Costs.call, costs.train), advances
     step_count and policy_version, and returns the metrics a real step reports about the batch. The model
     and the optimizer are built as a real learner's (checkpoints save them) but never touched."""
 
@@ -381,16 +418,14 @@ class ModelledLearner(Learner):
         tokens = sum(s.num_tokens for s in samples)
         padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
         rest = [u for u in batch if getattr(u, "group_id", None) not in self._accumulated]
-        accumulated, self._accumulated = self._accumulated, set()
+        self._accumulated = set()
         rest_padded = train_tokens(flatten_samples(rest), self.config.micro_batch_tokens, self.config.replay) \
             if rest else 0
         call = self.costs.call
         if call is None:  # the step's fixed part, and the per-token part of what was not accumulated
             modelled_s = self.costs.train.intercept_s + self.costs.train.per_token_s * rest_padded
-        elif accumulated:  # the optimizer, and one call over the rest
+        else:  # the optimizer, and one call over the groups not accumulated (all of them, without early calls)
             modelled_s = self.costs.optimizer_s + (call(rest_padded) if rest else 0.0)
-        else:  # a whole step, as measured
-            modelled_s = self.costs.train(padded)
         self._sleep(modelled_s)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         self.step_count += 1

@@ -150,7 +150,7 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     import torch
 
     from tailrace.engine import models
-    from tools.benches.modelled import Completion, Costs, LinearCost
+    from tools.benches.modelled import Completion, Costs, LinearCost, MeasuredCost
 
     torch.set_num_threads(1)  # as each role runs (launch.torch_threads)
     cfg = w.config()
@@ -171,12 +171,12 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
         f"{sum(c.finish_reason == 'length' for c in completions)} cut at max_new_tokens")
     train_points, call_points, optimizer = measure_train(cfg, tokenizer, prompts, finished,
                                                          [2, 8, 4] if quick else [1, 2, 4, 8, 12, 8, 4, 16])
-    train, call = LinearCost.fit(train_points), LinearCost.fit(call_points)
+    train, call = LinearCost.fit(train_points), MeasuredCost.of(call_points)
     optimizer_s = statistics.median(optimizer)
     log(f"train step: {train.intercept_s * 1e3:.1f} ms + {train.per_token_s * 1e6:.1f} us per padded token "
         f"({', '.join(f'{t} tokens {s:.3f} s' for t, s in train_points)}); a forward/backward call: "
-        f"{call.intercept_s * 1e3:.1f} ms + {call.per_token_s * 1e6:.1f} us per token, the optimizer step "
-        f"after it {optimizer_s * 1e3:.1f} ms")
+        f"{', '.join(f'{t:.0f} tokens {s:.3f} s' for t, s in call.points)}; the optimizer step after it "
+        f"{optimizer_s * 1e3:.1f} ms")
     Costs(decode_step_s=decode, prefill=LinearCost.fit(prefill), train=train, call=call, optimizer_s=optimizer_s,
           completions=completions,
           info={"clock": "process CPU time, 1 torch thread", "wall_over_cpu": contention,
