@@ -139,9 +139,11 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[
                 learner.accumulate(batch)
                 calls.append((tokens, time.process_time() - start))
                 start = time.process_time()
-            learner.step(batch)
-            (optimizer.append(time.process_time() - start) if accumulate
-             else points.append((tokens, time.process_time() - start)))
+                learner.step(batch)  # every group accumulated: the optimizer step alone
+                optimizer.append(time.process_time() - start)
+            else:
+                learner.step(batch)
+                points.append((tokens, time.process_time() - start))
     return points, calls, optimizer
 
 
