@@ -111,7 +111,7 @@ class MeasuredCost:
         pts = self.points
         if tokens <= pts[0][0]:
             return pts[0][1]
-        i = bisect.bisect_left([t for t, _ in pts], tokens)
+        i = bisect.bisect_left(pts, tokens, key=lambda p: p[0])
         if i < len(pts):
             (t0, s0), (t1, s1) = pts[i - 1], pts[i]
             return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
@@ -396,10 +396,8 @@ class ModelledLearner(Learner):
     def accumulate(self, groups: Sequence[Group]) -> bool:
         """Learner.accumulate modelled: one forward/backward call over the groups (Costs.call, or without
         it the per-token share of Costs.train)."""
-        samples = flatten_samples(groups)
-        padded = train_tokens(samples, self.config.micro_batch_tokens, self.config.replay)
-        seconds = self.costs.call(padded) if self.costs.call else self.costs.train.per_token_s * padded
-        self._sleep(seconds)
+        padded = train_tokens(flatten_samples(groups), self.config.micro_batch_tokens, self.config.replay)
+        self._sleep(self.costs.call(padded) if self.costs.call else self.costs.train.per_token_s * padded)
         self._accumulated.update(g.group_id for g in groups)
         return True
 
