@@ -89,7 +89,10 @@ class WorkItem(WireStruct):
     """One prompt to sample `num_samples` times (a GRPO group, or part of one).
 
     eval: the trainer's evaluation (README, "Evaluation"): sampled and streamed like any work, answered by
-    Rollouts with eval set, scored and reported by the trainer, never trained.
+    Rollouts with eval set, scored and reported by the trainer, never trained. min_policy_version: the
+    oldest policy version that may sample it; it may name a version whose WeightsNotice is still to come
+    (the trainer admits work for version V + 1 while it copies V + 1's weights for publishing): a generator
+    holds such an item until it has loaded that version.
 
     Example: WorkItem(group_id=12, prompt_token_ids=[1, 57, 33], num_samples=8, first_sample_id=0,
     sampling=SamplingParams(), task="copy", min_policy_version=3, eval=False)

@@ -166,3 +166,72 @@ async def test_an_error_from_a_reward_server_is_counted_and_logged_and_its_sessi
     finally:
         service.request_stop("test over")
         await asyncio.wait_for(run, 60)
+
+
+@pytest.mark.timeout(120)
+async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_version_is_what_its_step_made(
+        tmp_path):
+    """On one rank the publication of version V (the weights' copy, then the notices) overlaps the next
+    step's early forward/backward, but the next optimizer step waits for it: every published version holds
+    the weights its own step made. A slow copy (sleeping before it reads) makes a missing wait show."""
+    import time
+
+    service = make_service(tmp_path, "--train.steps", "2", "--train.groups_per_step", "2",
+                           "--sampling.group_size", "2")
+    learner, eos = service.learner, service.tokenizer.eos_token_id
+    after_step, published, copies, calls = {}, {}, [], []  # (start, end) of each copy and early call
+    real_gather, real_step, real_accumulate = learner.state_dict_for_broadcast, learner.step, learner.accumulate
+
+    def slow_gather():
+        start = time.monotonic()
+        time.sleep(0.5)
+        try:
+            return real_gather()
+        finally:
+            copies.append((start, time.monotonic()))
+
+    def step(batch):
+        out = real_step(batch)
+        after_step[learner.policy_version] = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+        return out
+
+    def accumulate(groups):
+        start = time.monotonic()
+        out = real_accumulate(groups)
+        time.sleep(0.2)  # a longer call: the copy, started just after it, overlaps it unless it waits
+        calls.append((start, time.monotonic()))
+        return out
+
+    def publish(model, version, state, _publish=service.store.publish):
+        published[version] = state
+        return _publish(model, version, state)
+
+    learner.state_dict_for_broadcast, learner.step, learner.accumulate = slow_gather, step, accumulate
+    service.store.publish = publish
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    texts = ["abc", "x"]  # two rewards per group: the advantages, so the steps, are not zero
+    async with Client(address, role="generator", name="gen", capabilities={"vocab_size": service.vocab_size}) as gen:
+        await asyncio.wait_for(gen.connect(), 10)
+        items = []
+        while sum(i.num_samples for i in items) < 8:
+            items += (await take_work(gen, 8 - sum(i.num_samples for i in items))).items
+        items.sort(key=lambda i: i.group_id)
+        assert [i.group_id for i in items] == [0, 1, 2, 3]
+        for item in items[:3]:  # the last group stays out: step 2 waits for it, and runs group 2 early
+            for sid in range(2):
+                await gen.send(rollout(item, sid, [service.tokenizer.convert_tokens_to_ids(c) for c in texts[sid]] + [eos]))
+        while not calls:
+            await asyncio.sleep(0.02)
+        for sid in range(2):
+            await gen.send(rollout(items[3], sid, [service.tokenizer.convert_tokens_to_ids(c) for c in texts[sid]] + [eos]))
+        summary = await asyncio.wait_for(run, 60)
+    assert summary["steps"] == 2 and summary["samples_trained"] == 8
+    assert sorted(published) == [0, 1, 2]
+    (call_start, call_end), = calls  # group 2's, while step 2 waited for group 3
+    assert any(start < call_end and call_start < end for start, end in copies[1:]), (copies, calls)
+    for version in (1, 2):
+        assert set(published[version]) == set(after_step[version])
+        for name, value in after_step[version].items():
+            torch.testing.assert_close(published[version][name], value, rtol=0, atol=0, msg=f"v{version} {name}")
+    assert any(not torch.equal(after_step[1][k], after_step[2][k]) for k in after_step[1])  # the steps changed them
