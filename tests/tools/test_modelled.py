@@ -9,11 +9,13 @@ import dataclasses
 import functools
 import random
 import time
+import types
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tools.benches.modelled as modelled_module
 from tailrace.engine.generator.backend import Request, TorchBackend
 from tailrace.engine.samples import Group, TrainSample
 from tailrace.engine.trainer.learner import LearnerConfig
@@ -179,6 +181,24 @@ def test_step_sleeps_the_measured_decode_cost(model):
     assert 0.055 <= elapsed < 2.0
     assert backend.stats.num_steps == 3 and backend.stats.num_generated_tokens == 3
     assert backend.stats.decode_s >= 0.055 and backend.stats.tokens_per_s > 0
+
+
+def test_decode_steps_take_oversleeping_off_the_next_step(model, monkeypatch):
+    """A machine that wakes every sleeper 4 ms late: n modelled steps of 10 ms take n * 10 + 4 ms, not
+    n * 14 (the learner's sleeps go through the same Sleeper)."""
+    clock = [0.0]
+
+    def late_sleep(seconds):
+        clock[0] += seconds + 0.004
+
+    monkeypatch.setattr(modelled_module, "time", types.SimpleNamespace(sleep=late_sleep, monotonic=lambda: clock[0]))
+    backend = modelled(model, dataclasses.replace(make_costs(), decode_step_s={1: [0.01], 4: [0.01]}))
+    for sample_id in range(8):  # lengths drawn per sample: the longest sets the number of steps
+        backend.add(Request(0, sample_id, [1, 5, 6, 7], SamplingParams(max_new_tokens=10, stop_token_ids=[])))
+    while backend.num_running or backend.num_waiting:
+        backend.step()
+    assert backend.stats.num_steps >= 5
+    assert clock[0] == pytest.approx(backend.stats.num_steps * 0.01 + 0.004)
 
 
 def test_speculation_modelled_as_the_measured_speedup_of_the_nearest_batch_size(model):

@@ -20,6 +20,9 @@ running the model, so a run times the scheduler alone (queues, staleness gate, w
     role_main        `tailrace trainer|generator ARGV` with these two injected through the services' seams
                      (GeneratorService make_backend, TrainerService make_learner)
 
+Both sleep through a Sleeper, which takes what a sleep overslept (a loaded machine wakes a sleeper late) off
+the next one, so hundreds of short decode steps cost what their measured sum costs.
+
 The costs are measured on the same machine by the benchmark that uses them (tools/benches/pipeline.py),
 which forks role_main for its modelled modes. Test: pytest tests/tools/test_modelled.py
 """
@@ -232,6 +235,19 @@ def load_costs(path: str | Path) -> Costs:
         raise ValueError(f"costs file: {path}: {exc}") from None
 
 
+class Sleeper:
+    """Sleeps modelled seconds, less what earlier sleeps overslept (a loaded machine wakes a sleeper late):
+    many small sleeps then cost what their sum costs, as the measured compute would."""
+
+    def __init__(self):
+        self.overslept_s = 0.0
+
+    def __call__(self, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(max(0.0, seconds - self.overslept_s))
+        self.overslept_s = max(0.0, self.overslept_s + (time.monotonic() - start) - seconds)
+
+
 # ------------------------------------------------------------------------------------------ generator
 
 
@@ -282,6 +298,7 @@ class ModelledBackend:
         self.pause_admission = False
         self.stats = BackendStats()
         self._rng = random.Random(f"decode:{costs.seed}")
+        self._sleep = Sleeper()  # a step sleeps its modelled cost, oversleeping carried to the next
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []
 
@@ -339,7 +356,7 @@ class ModelledBackend:
         if not self._rows:
             return []
         decode = self.costs.spec_decode_s if self.costs.speculate else self.costs.decode_s
-        time.sleep(prefill_s + decode(len(self._rows), self._rng))
+        self._sleep(prefill_s + decode(len(self._rows), self._rng))
         now = time.monotonic()
         done, keep = [], []
         for row in self._rows:
@@ -391,7 +408,7 @@ class ModelledLearner(Learner):
             raise ValueError("train.ppo_epochs, train.minibatches: modelled compute models one update per step")
         super().__init__(model, config, **kwargs)
         self.costs = costs
-        self._overslept_s = 0.0
+        self._sleep = Sleeper()
 
     def accumulate(self, groups: Sequence[Group]) -> bool:
         """Learner.accumulate modelled: one forward/backward call over the groups (Costs.call, or without
@@ -400,13 +417,6 @@ class ModelledLearner(Learner):
         self._sleep(self.costs.call(padded) if self.costs.call else self.costs.train.per_token_s * padded)
         self._accumulated.update(g.group_id for g in groups)
         return True
-
-    def _sleep(self, seconds: float) -> None:
-        """Sleep the modelled time, less what earlier sleeps overslept (a loaded machine wakes a sleeper
-        late): many small increments then cost what one step of their size costs."""
-        start = time.monotonic()
-        time.sleep(max(0.0, seconds - self._overslept_s))
-        self._overslept_s = max(0.0, self._overslept_s + (time.monotonic() - start) - seconds)
 
     def step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
