@@ -4,10 +4,8 @@
                 parks work requests the staleness gate refuses; scores rollouts as tasks
     train loop  runs the open step's complete groups' forward/backward early (early.py), waits for
                 controller.pop_batch(), runs learner.step in a worker thread, then publishes version V+1
-                (WeightsNotice to generators and on the notice socket) and serves parked requests; on one
-                rank the publication (the weights' copy in a worker thread, then the notices) overlaps the
-                next step's early forward/backward, which only reads the weights: the next optimizer step,
-                evaluation, a checkpoint and the end of the run wait for it (published())
+                (publish.py: WeightsNotice to generators and on the notice socket; parked requests
+                served), on one rank beside the next step's early forward/backward
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
     loop probe  measures the event loop's lag into Stats counter trainer/loop/max_stall_ms (loop_probe.py)
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
@@ -40,7 +38,7 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
-from tailrace.engine.trainer import checkpoint, dist, early, loop_probe, trained_log, watchdog
+from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.evaluation import Evaluator
@@ -131,7 +129,7 @@ class TrainerService:
         self.generator_versions: dict[str, int] = {}  # last policy version each generator reported
         self.last_generator_stats: dict[str, m.Stats] = {}  # kept after the generator leaves
         self.changed = asyncio.Event()
-        self.publishing: asyncio.Task | None = None  # publish_weights of the newest version, overlapped
+        self.publishing: asyncio.Task | None = None  # publish.begin of the newest version, in the background
         self.stop_requested = False
         self.stop_reason = ""
         self.server: Any = None
@@ -237,14 +235,14 @@ class TrainerService:
             self.waiting_since_s = None
             await self.train_step(batch)
             self.progress_s = time.monotonic()
-        await self.published()
+        await publish.published(self)
         if self.learner.step_count >= total:
             self.stop_reason = self.stop_reason or f"reached train.steps = {total}"
 
     async def train_step(self, batch: list[GroupState]) -> None:
         version = self.learner.policy_version
         groups = [to_group(g) for g in batch]
-        await self.published()  # the optimizer step changes the weights the last version's copy reads
+        await publish.published(self)  # the optimizer step changes the weights the last version's copy reads
         self.state = "training"
         started = time.monotonic()
         with self.spans.span("train_step", value=len(groups)):  # forward-backward and optimizer
@@ -270,41 +268,16 @@ class TrainerService:
         } | reward_detail_metrics(groups) | self.controller.stats()
         self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
-        if dist.world_size() == 1:
-            # The next step's groups are committed against the new version at once (take_for_step); work
-            # admitted now carries it, and a generator starts it once the version's weights reached it.
-            self.controller.on_new_version(self.learner.policy_version)
-            self.publishing = asyncio.create_task(self.publish_weights(track="weights"), name="publish")
-        else:  # every rank joins the gather, in the order of rank 0's calls: nothing may overlap it
-            await self.publish_weights()
+        await publish.begin(self)  # version V+1 out to the generators (publish.py)
         if self.evaluator.due(self.learner.step_count):  # engine/trainer/evaluation.py: waits for it
-            await self.published()
+            await publish.published(self)
             metrics |= await self.evaluator.run(self, self.learner.step_count)
         self.sink.log(self.learner.step_count, metrics)
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
-            await self.published()
+            await publish.published(self)
             await self.save_checkpoint_off_loop()
         self.state = "idle"
-
-    async def published(self) -> None:
-        """Wait for the overlapped publication of the newest version, if one is under way (its errors
-        raise here)."""
-        if self.publishing is not None:
-            task, self.publishing = self.publishing, None
-            await task
-
-    async def publish_weights(self, track: str = "main") -> None:
-        version = self.learner.policy_version
-        with self.spans.span("weights_gather", track=track):
-            weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # gathered across ranks
-        notice = self.store.publish("policy", version, weights)
-        self.controller.on_new_version(version)
-        for peer in list(self.server.peers.values()):
-            if peer.role == "generator":
-                await self.server.send(peer.id, notice)
-        await self.server.publish(notice)
-        await self.serve_parked()
 
     # ------------------------------------------------------------------------------------ net loop
 

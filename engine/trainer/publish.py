@@ -1,0 +1,48 @@
+"""The trainer's publication of a new policy version after each step: a CPU copy of the weights (gathered
+across ranks) into the weights store, a WeightsNotice to every generator and on the notice socket, then
+the parked work requests the new version may answer.
+
+On one rank the publication runs as a task beside the next step's early forward/backward (early.py),
+which only reads the weights: the controller moves to the new version at once, so work admitted meanwhile
+names it and a generator starts that work once the version reached it. Whatever changes the weights or
+needs them served (the next optimizer step, evaluation, a checkpoint, the end of the run) first awaits
+published(). With several ranks every rank joins the gather, in the order of rank 0's calls, so nothing
+overlaps it. Test: tests/engine/test_trainer_service.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tailrace.engine.trainer import dist
+
+
+async def begin(service: Any) -> None:
+    """Publish the learner's version: started in the background on one rank, awaited on several."""
+    if dist.world_size() == 1:
+        service.controller.on_new_version(service.learner.policy_version)
+        service.publishing = asyncio.create_task(publish(service, track="weights"), name="publish")
+    else:
+        await publish(service)
+
+
+async def published(service: Any) -> None:
+    """Wait for the background publication of the newest version, if one is under way (its errors raise
+    here)."""
+    if service.publishing is not None:
+        task, service.publishing = service.publishing, None
+        await task
+
+
+async def publish(service: Any, track: str = "main") -> None:
+    version = service.learner.policy_version
+    with service.spans.span("weights_gather", track=track):
+        weights = await asyncio.to_thread(service.learner.state_dict_for_broadcast)  # gathered across ranks
+    notice = service.store.publish("policy", version, weights)
+    service.controller.on_new_version(version)
+    for peer in list(service.server.peers.values()):
+        if peer.role == "generator":
+            await service.server.send(peer.id, notice)
+    await service.server.publish(notice)
+    await service.serve_parked()
