@@ -13,10 +13,14 @@ several ways, each as separate OS processes (a trainer and two generators over t
     modelled_sync    the same two with modelled compute (tools/benches/modelled.py): no model runs in any
     modelled_stream  process; each decode step and training step sleeps for a cost measured first, in
                      this run, so the scheduler alone is timed, free of 2-core CPU contention
-    stream+spec      stream with generator.speculation: speculative decoding, the bandit choosing the depth
-                     per batch size, with a drafter trained before the runs on the policy's own rollouts
-                     (other prompts; what a long-lived run resumes with, generator.drafter_path) and
-                     trained further in the generators' idle turns; spec_ratio = sync_s / its time
+    stream+spec      stream with speculative decoding as the defaults run it given a drafter trained before
+                     the runs on the policy's own rollouts (other prompts; what a long-lived run resumes with):
+                     generator.speculation auto and generator.drafter_path, the bandit choosing per running
+                     batch size between plain steps, that drafter and the suffix drafter (on a CPU, whose idle
+                     cores are the other processes', the drafter is not trained further; on a GPU it is, in
+                     the generators' idle turns); spec_ratio = sync_s / its time
+    stream+spec_train  the same with generator.speculation on: the drafter is also trained in the generators'
+                     idle turns on a CPU; spec_ratio_train
     stream+spec_cold the same with a drafter that starts untrained in each run; spec_ratio_cold
     stream+default   stream with the default settings (generator.speculation auto: on a CPU the suffix
                      drafter, and the EAGLE one only from a given drafter, not trained in idle turns):
@@ -57,13 +61,18 @@ of the busiest process of modelled_stream: no schedule of that work beats it, so
 it means the workload's balance of compute, not the scheduler, limits the gain (scheduler_efficiency =
 modelled_ratio / modelled_ratio_bound). rollout_share_[modelled_]sync: the trainer's idle share of a sync
 run, i.e. what of a synchronous step is rollout (and weights out); completion_len_p99_over_median of the
-measured completions: both check the long-tail workload's claim in the output. The full run repeats
+measured completions: both check the long-tail workload's claim in the output. CPU: this process samples
+the user + system seconds of the trainer and generators (every thread) from /proc every 20 ms and takes
+them over the same window (CpuSampler): cpu_s and cpu_busy (cpu_s over cores x wall) per real mode, and
+ratio_bound_cpu = sync_s / (stream's cpu_s / cores): the real modes share this machine's cores, so a real
+stream run cannot beat it, and a cpu_busy near 1 says a real ratio is held by the cores, not the schedule. The full run repeats
 every mode twice (ABCDEF FEDCBA, real modes first and each next to the one it is compared with) and
 reports means.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import multiprocessing
 import os
@@ -71,6 +80,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,8 +110,10 @@ MODES = {  # name -> (controller.max_staleness, modelled compute, extra override
     # telemetry's cost: stream without spans (metrics.spans false), against stream
     "stream-spans": (1, False, ("--metrics.spans", "false", *PLAIN)),
     "stream_barrier": (1, False, (*BARRIER, *PLAIN)),
-    # speculation: from a drafter trained before the runs, and from an untrained one
-    "stream+spec": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
+    # speculation: from a drafter trained before the runs (as the defaults use it; also trained in idle
+    # turns), and from an untrained one
+    "stream+spec": (1, False, ("--generator.drafter_path", "{drafter}")),
+    "stream+spec_train": (1, False, ("--generator.speculation", "on", "--generator.drafter_path", "{drafter}")),
     "stream+spec_cold": (1, False, ("--generator.speculation", "on")),
     "modelled_sync": (0, True, BARRIER),
     "modelled_stream": (1, True, ()),
@@ -264,6 +276,59 @@ def _stop(procs: list[multiprocessing.Process]) -> None:
             proc.join()
 
 
+class CpuSampler:
+    """CPU seconds (user + system, every thread) of a set of processes, sampled from /proc every
+    PERIOD_S in a thread of this process, so that a run's CPU can be read between two instants of the
+    timing tool's clock (time.monotonic, system-wide) without asking the roles. The kernel counts in
+    clock ticks (10 ms): over a run of a few seconds that is about 1%."""
+
+    PERIOD_S = 0.02
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []  # (time.monotonic(), CPU seconds of all the processes)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, pids: list[int]) -> None:
+        last = dict.fromkeys(pids, 0)  # clock ticks; a process that exited keeps its last count
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                for pid in pids:
+                    try:
+                        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                    except OSError:
+                        continue
+                    last[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+                self.samples.append((now, sum(last.values()) / os.sysconf("SC_CLK_TCK")))
+                self._stop.wait(self.PERIOD_S)
+
+        self._thread = threading.Thread(target=loop, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def at(self, when: float) -> float:
+        """CPU seconds at `when`, interpolated between the samples around it (clamped to the ends)."""
+        samples = self.samples
+        if not samples:
+            return float("nan")
+        i = bisect.bisect_left(samples, (when, float("-inf")))
+        if i == 0:
+            return samples[0][1]
+        if i == len(samples):
+            return samples[-1][1]
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+        return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
+
+    def seconds_between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
 def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout_s: float,
                  costs_path: Path | None = None) -> dict:
     """One run: trainer, NUM_GENERATORS generators and the timing tool as processes, their compute modelled
@@ -272,6 +337,7 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
     run_dir = runs_dir / name
     run_dir.mkdir(parents=True)
     deadline = time.monotonic() + timeout_s
+    cpu = CpuSampler()
     trainer_log = run_dir / "trainer.log"
     trainer = _start(_role, ["trainer", "--trainer.bind", "tcp://127.0.0.1:0", *common], trainer_log, costs_path)
     procs = [trainer]
@@ -287,6 +353,7 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
         for i in range(NUM_GENERATORS):
             procs.append(_start(_role, ["generator", "--connect", address, "--name", f"gen-{i}", *common],
                                 run_dir / f"gen-{i}.log", costs_path))
+        cpu.start([trainer.pid, *(p.pid for p in procs[2:])])
         trainer.join(timeout=max(0.0, deadline - time.monotonic()))
         if trainer.exitcode != 0:
             raise RuntimeError(f"{name}: the trainer {'timed out' if trainer.is_alive() else 'failed'} "
@@ -294,6 +361,7 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
         for proc in procs[1:]:
             proc.join(timeout=20)
     finally:
+        cpu.stop()
         _stop(procs)
     summary = json.loads((run_dir / "summary.json").read_text())
     times = json.loads(times_path.read_text()) if times_path.is_file() else {}
@@ -306,6 +374,7 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
     return {"seconds": seconds, "join_spread_s": times["last_join"] - times["first_join"],
             "idle_trainer": 1.0 - summary["trainer_busy_s"] / seconds, "trainer_busy_s": summary["trainer_busy_s"],
             "generator_busy_s": [g["busy_s"] for g in gens],
+            "cpu_s": cpu.seconds_between(times["first_join"], times[f"v{steps}"]),
             "idle_generators": 1.0 - busy / wall if wall else float("nan"),
             "telemetry_frac": telemetry / wall if wall else float("nan"),
             "samples_trained": summary["samples_trained"], "discarded": summary["discarded"],
@@ -390,7 +459,17 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
     lengths = sorted(c.completion_tokens for c in costs.completions)
     out = {"sync_s": round(s, 3), "stream_s": round(t, 3), "ratio": round(s / t, 3),
            "modelled_sync_s": round(ms, 3), "modelled_stream_s": round(mt, 3), "modelled_ratio": round(ms / mt, 3)}
+    # The real runs share this machine's cores: a stream run cannot end before the CPU seconds its processes
+    # spent, spread over every core (ratio_bound_cpu); cpu_s and cpu_busy (that over cores x wall) per real mode.
+    cores = len(os.sched_getaffinity(0))
+    real = [mode for mode in results if not MODES[mode][1]]
+    stream_cpu_s = _mean(results["stream"], "cpu_s")
+    out |= {"cores": cores, "ratio_bound_cpu": round(s / (stream_cpu_s / cores), 3),
+            "cpu_s": {mode: round(_mean(results[mode], "cpu_s"), 3) for mode in real},
+            "cpu_busy": {mode: round(statistics.fmean(r["cpu_s"] / (cores * r["seconds"]) for r in results[mode]), 3)
+                         for mode in real}}
     spec_s, cold_s = _mean(results["stream+spec"], "seconds"), _mean(results["stream+spec_cold"], "seconds")
+    train_s = _mean(results["stream+spec_train"], "seconds")
     default_s = _mean(results["stream+default"], "seconds")
     nospans_s = _mean(results["stream-spans"], "seconds")
     out |= {"stream_nospans_s": round(nospans_s, 3), "spans_ratio": round(nospans_s / t, 3),
@@ -398,6 +477,7 @@ def figures(w: Workload, costs, results: dict[str, list[dict]]) -> dict:
                                                      for r in results[m]), 6),
             "telemetry_target_frac": 0.01}
     out |= {"stream_spec_s": round(spec_s, 3), "spec_ratio": round(s / spec_s, 3),
+            "stream_spec_train_s": round(train_s, 3), "spec_ratio_train": round(s / train_s, 3),
             "stream_spec_cold_s": round(cold_s, 3), "spec_ratio_cold": round(s / cold_s, 3),
             "stream_default_s": round(default_s, 3), "default_vs_plain": round(t / default_s, 3)}
     for key in ("idle_trainer", "idle_generators"):
