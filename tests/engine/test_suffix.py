@@ -39,6 +39,22 @@ def test_a_row_does_not_match_its_own_last_ngram_but_does_match_its_own_repeats(
     assert index.propose([5, 3, 4], 2) == [5, 3]  # the row repeats itself: its own earlier text drafts
 
 
+def test_the_index_is_built_only_when_asked_and_latest_wins_in_the_order_tokens_came():
+    index = SuffixIndex(max_ngram=2)
+    a = index.add([1, 2, 3])
+    b = index.add([1, 2, 4])
+    index.extend(a, [1, 2, 5])                     # the newest "1 2" is a's second: 5 followed it
+    assert not index._where                        # nothing indexed until a draft is asked for
+    assert index.propose([9, 1, 2], 3) == [5]
+    index.extend(b, [1, 2, 6, 7])                  # now b's second "1 2" is the newest
+    assert index.propose([1, 2], 3) == [6, 7]
+    drafter = SuffixDrafter(max_ngram=2)
+    for _ in range(3):                             # samples that finish while no suffix arm drafts
+        drafter.add_tokens(drafter.start([8, 9]), [1, 2, 3])
+    assert not drafter._indexes[(8, 9)]._where
+    assert drafter.propose(drafter.start([8, 9]), 2) == [1, 2]
+
+
 def test_pad_drafts_and_point_mass():
     drafts = pad_drafts([[7, 8], [], [1, 2, 3, 4]], 3, fallback=[0, 5, 9])
     assert drafts.tolist() == [[7, 8, 0], [5, 5, 5], [1, 2, 3]]
