@@ -286,14 +286,14 @@ class CpuSampler:
 
     def __init__(self):
         self.samples: list[tuple[float, float]] = []  # (time.monotonic(), CPU seconds of all the processes)
-        self._stop = threading.Event()
+        self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self, pids: list[int]) -> None:
         last = dict.fromkeys(pids, 0)  # clock ticks; a process that exited keeps its last count
 
         def loop() -> None:
-            while not self._stop.is_set():
+            while not self._done.is_set():
                 now = time.monotonic()
                 for pid in pids:
                     try:
@@ -302,13 +302,13 @@ class CpuSampler:
                         continue
                     last[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
                 self.samples.append((now, sum(last.values()) / os.sysconf("SC_CLK_TCK")))
-                self._stop.wait(self.PERIOD_S)
+                self._done.wait(self.PERIOD_S)
 
         self._thread = threading.Thread(target=loop, name="cpu-sampler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         if self._thread is not None:
             self._thread.join()
 
