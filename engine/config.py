@@ -292,6 +292,7 @@ class GeneratorConfig:
     vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
+    cuda_graphs: bool = True  # torch backend on a CUDA device: the decode, verify and draft forwards run at fixed shapes (rows padded to a power-of-two bucket, attention over a power-of-two window of columns) and are replayed as CUDA graphs captured at each shape's first use; no effect on a CPU (README: CUDA graphs in the torch backend)
 
     def __post_init__(self):
         _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")

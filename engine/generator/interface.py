@@ -96,7 +96,8 @@ def torch_backend(cfg: RunConfig) -> Backend:
     tree = TreeSampling(fork_depths=fork_depths, branching=cfg.generator.tree_branching) if fork_depths else None
     return TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
                         max_model_len=model.config.max_position_embeddings,
-                        eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device, tree=tree)
+                        eos_token_ids=models.eos_token_ids(model, tokenizer), device=cfg.model.device, tree=tree,
+                        static_forwards="auto" if cfg.generator.cuda_graphs else "off")
 
 
 def load_backend(cfg: RunConfig) -> Backend:

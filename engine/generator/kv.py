@@ -47,6 +47,9 @@ class SlotKVCache:
         self._rows = slice(0, 0)
         self._write = 0
         self._vis_lo = 0
+        self._static_rows = 0  # set_static: rows 0.. of a fixed-shape forward, writing at _static_cols
+        self._static_cols: torch.Tensor | None = None
+        self._static_window = 0
 
     # ------------------------------------------------------------------ the model-facing interface
 
@@ -54,11 +57,23 @@ class SlotKVCache:
         """Where the next forward writes (rows, first column) and from which column it attends."""
         self._rows, self._write, self._vis_lo = rows, write_col, vis_lo
 
+    def set_static(self, num_rows: int, cols_T: torch.Tensor | None, window: int) -> None:
+        """Fixed-shape forwards (graphs.py): the next updates write rows 0..num_rows-1 at the columns in
+        cols_T (a device tensor, all below window) and return columns 0..window-1; None returns to the
+        window of set_window."""
+        self._static_rows, self._static_cols, self._static_window = num_rows, cols_T, window
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by each attention layer: store the new keys/values [b, h, T, d], return the visible
         ones [b, h, K, d] (a view; masked columns included, the attention mask hides them)."""
         if self.keys[layer_idx] is None:
             self._allocate(layer_idx, key_states, value_states)
+        if self._static_cols is not None:
+            rows, window = self._static_rows, self._static_window
+            keys, values = self.keys[layer_idx][:rows, :, :window], self.values[layer_idx][:rows, :, :window]
+            keys.index_copy_(2, self._static_cols, key_states)
+            values.index_copy_(2, self._static_cols, value_states)
+            return keys, values
         num_new = key_states.shape[-2]
         stop = self._write + num_new
         assert stop <= self.capacity, "backend must make room before a forward"

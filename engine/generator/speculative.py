@@ -453,7 +453,7 @@ class SpeculativeDecoder:
         # Every op of the loop below runs k times per step, and on a CPU each dispatch costs about as
         # much as its arithmetic: so the rotary factors of the k positions are looked up once, and the
         # draws and probabilities are written into their [B, k] buffers instead of being concatenated.
-        forward, logits = self.drafter.forward, self.drafter.logits
+        forward, logits, static = self.drafter.forward, self.drafter.logits, b._static
         hidden_B1H = forward(self.ids_RC[rows, window], self.feats_RCH[rows, window], self.pos_RC[rows, window],
                              mask, cache=kv, layer_idx=self.layer)[:, -1:]
         self.stale_back = self._stale_carry = 0
@@ -462,7 +462,10 @@ class SpeculativeDecoder:
         # One-token draft forwards: their masks are prefixes of this one (columns lo .. end + k - 1).
         mask_B11K = kv.valid_RC[rows, kv.lo:end + k][:, None, None]
         for j in range(k):
-            if j > 0:
+            if j > 0 and static is not None:
+                hidden_B1H = static.drafter(num_rows, drafts_BK[:, j - 1:j], hidden_B1H, turns_B1Kc[:, :, j:j + 1],
+                                            end + j)
+            elif j > 0:
                 col = end + j
                 kv.set_window(rows, col, kv.lo)
                 hidden_B1H = forward(drafts_BK[:, j - 1:j], hidden_B1H, None, mask_B11K[..., :col + 1 - kv.lo],
@@ -485,11 +488,13 @@ class SpeculativeDecoder:
         b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
         end = kv.end
         kv.valid_RC[rows, end:end + k + 1] = True
-        kv.set_window(rows, end, kv.lo)
-        mask = kv.attention_mask(rows, end, k + 1, kv.lo)
         ids_BN = torch.cat((b._pending_R[rows, None], drafts_BK), dim=1)
         positions_BN = b._pos_R[rows, None] + self._aranges(k + 1)
-        hidden_BNH = b._forward(ids_BN, positions_BN, mask)
+        if b._static is not None:
+            hidden_BNH = b._static.policy(num_rows, ids_BN, positions_BN, end)
+        else:
+            kv.set_window(rows, end, kv.lo)
+            hidden_BNH = b._forward(ids_BN, positions_BN, kv.attention_mask(rows, end, k + 1, kv.lo))
         logits_MV = b._lm_head(hidden_BNH).flatten(0, 1)
         p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
         return hidden_BNH, p_BNV

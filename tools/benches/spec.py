@@ -36,6 +36,11 @@ speedup >= 1.8. CPU-time ratios are less disturbed by other processes on a share
 what the speedup is made of: accept_rate_by_depth (the rate at which the j-th draft was accepted when all
 before it were; over accept_tested_by_depth row-steps), plain_step_ms, spec_draft_ms and spec_verify_ms
 (per speculative step) and emitted_per_spec_step. TAILRACE_BENCH_MODEL=PATH benchmarks another checkpoint.
+The phases above run on the CPU (a CPU generator's setting). On a machine with a CUDA device, one more:
+    cuda graphs  the policy on the GPU, its forwards replayed as CUDA graphs (generator.cuda_graphs) against
+               the same backend run eagerly, raced at each batch size, plain and suffix@3
+               (cuda_graphs_speedup_by_batch, cuda_graphs_suffix_speedup_by_batch); without one the JSON
+               says "cuda_graphs": "not measured: no CUDA device"
 """
 
 from __future__ import annotations
@@ -216,6 +221,52 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
     return out
 
 
+def measure_cuda_graphs(model_path: str, prompts, log, device: str = "cuda", mode: str = "auto",
+                        batch_sizes=BATCH_SIZES) -> dict:
+    """On a CUDA device: the torch backend with its forwards replayed as CUDA graphs (generator.cuda_graphs,
+    engine/generator/graphs.py) against the same backend run eagerly, raced over the same requests at each
+    running batch size, plain decoding and model-free speculation (suffix@3: the verify forward of 4 tokens
+    per row). Figures: decode throughput with graphs over without, per batch size; graph captures and
+    replays. Without a CUDA device: says so, measures nothing (device "cpu" with mode "static": the same race
+    of the uncaptured fixed-shape forwards, which is how its test runs it)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return {"cuda_graphs": "not measured: no CUDA device"}
+    from tailrace.engine.generator.backend import TorchBackend
+    from tailrace.engine.generator.speculative import FixedDepth
+    from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
+    from tailrace.protocol.messages import SamplingParams
+
+    model = load_model(model_path, device=device)
+    model.requires_grad_(False)
+    eos = eos_token_ids(model, load_tokenizer(model_path))
+    requests = _groups(prompts, SamplingParams(temperature=1.0, max_new_tokens=96))
+    out: dict = {"cuda_device": torch.cuda.get_device_name() if device == "cuda" else device,
+                 "cuda_graphs_speedup_by_batch": {},
+                 "cuda_graphs_suffix_speedup_by_batch": {}, "cuda_graphs_captured": 0, "cuda_graphs_replayed": 0}
+    for batch in batch_sizes:
+        for key, spec in (("cuda_graphs_speedup_by_batch", False), ("cuda_graphs_suffix_speedup_by_batch", True)):
+            backends = {}
+            for name in ("off", mode):
+                backend = TorchBackend(model, max_batch_size=batch, max_model_len=256, eos_token_ids=eos,
+                                       device=device, seed=1, static_forwards=name)
+                if spec:
+                    backend.enable_speculation(None, FixedDepth(3, "suffix"), max_traces=0)
+                _decode_all(backend, requests[:batch], batch)  # warm-up: kernels chosen, graphs captured
+                backends[name] = backend
+            decode_before = {name: b.stats.decode_s for name, b in backends.items()}
+            totals = _race(backends, requests, batch)
+            rate = {name: totals[name][0] / (b.stats.decode_s - decode_before[name]) for name, b in backends.items()}
+            out[key][str(batch)] = round(rate[mode] / rate["off"], 3)
+            counters = backends[mode]._static.counters()
+            out["cuda_graphs_captured"] += counters["static_forwards_captured"]
+            out["cuda_graphs_replayed"] += counters["static_forwards_replayed"]
+            log(f"{mode} forwards, batch {batch}{' suffix@3' if spec else ''}: {rate['off']:.0f} -> {rate[mode]:.0f} "
+                f"tok/s (x{rate[mode] / rate['off']:.2f})")
+    return out
+
+
 def _token_histogram(model, eos, prompts, drafter, seed: int):
     import torch
 
@@ -280,13 +331,21 @@ def run(quick: bool, log: Callable[[str], None], workload_name: str = "default")
         raise ValueError(f"--workload: {workload_name!r} is not one of default, longtail")
     if workload_name == "default":
         model_path = os.environ.get("TAILRACE_BENCH_MODEL", "tiny")
-        return _measure(model_path, sizes, log) | {"load_1m_before": load_before,
-                                                       "load_1m_after": round(os.getloadavg()[0], 2)}
-    deep = _measure(os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL), sizes, log)
+        return _measure(model_path, sizes, log) | _graphs(model_path, sizes, log) | {
+            "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
+    deep_path = os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL)
+    deep = _measure(deep_path, sizes, log) | _graphs(deep_path, sizes, log)
     shallow = _measure("tiny", sizes, log)
     four_layer = {key: shallow[key] for key in FOUR_LAYER_KEYS}
     return {**deep, "four_layer": four_layer, "four_layer_drafter": "its own, trained on its own rollouts",
             "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
+
+
+def _graphs(model_path: str, sizes: dict, log) -> dict:
+    from tailrace.engine.models import load_tokenizer
+
+    prompts = _prompts(load_tokenizer(model_path), sizes["num_decode_prompts"], seed=2, min_chars=20)
+    return measure_cuda_graphs(model_path, prompts, log)
 
 
 def _figures(by_batch: dict, tv: float, floor: float, tv_steps: dict) -> dict:
