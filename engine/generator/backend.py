@@ -17,6 +17,8 @@ invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot tra
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
 and forks at fixed completion depths, or where the next token is uncertain, into clone rows (copies of
 its cache row and outputs); see tree.py.
+On a CUDA device the decode, verify and draft forwards run at fixed shapes and are replayed as CUDA graphs
+(static_forwards, graphs.StaticForwards); elsewhere they run eagerly over the live window of columns.
 Test: pytest tests/engine/test_backend.py
 """
 
