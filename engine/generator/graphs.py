@@ -77,7 +77,7 @@ class _Entry:
 
 class StaticForwards:
     """The backend's fixed-shape forwards (see the module docstring). policy() and drafter() return
-    views of static output buffers: valid until the next call of the same (forward, bucket, tokens)."""
+    views of static output buffers: valid until the next call of the same (forward, rows, tokens, window)."""
 
     def __init__(self, backend, mode: str):
         self.backend = backend
@@ -86,7 +86,7 @@ class StaticForwards:
         self.max_rows = kv.max_rows
         self._col_C = torch.arange(kv.capacity, device=backend.device)
         self._arange = torch.arange(64, device=backend.device)
-        self._entries: dict[tuple[str, int, int], _Entry] = {}
+        self._entries: dict[tuple[str, int, int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self.num_captured = 0
         self.num_replayed = 0
