@@ -129,8 +129,9 @@ def test_modes_and_buckets():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("spec", [None, "eagle", "suffix"])
 def test_cuda_graphs_equal_the_eager_window(spec):
-    model = make_model("qwen2", seed=2).to(torch.float64)
-    drafter = Drafter.for_policy(model, seed=4).to(torch.float64) if spec == "eagle" else None
+    # On the device before the drafter is built: it aliases the policy's embedding and LM head.
+    model = make_model("qwen2", seed=2).to(torch.float64).to("cuda")
+    drafter = Drafter.for_policy(model, seed=4) if spec == "eagle" else None
     eager = run(_backend(model, "off", spec, drafter, device="cuda"), _schedule())
     graphed_backend = _backend(model, "auto", spec, drafter, device="cuda")
     graphed = run(graphed_backend, _schedule())
