@@ -15,7 +15,7 @@ captured with. So these forwards run at fixed shapes:
              causal, or the query's own column. The eager window (lo .. end) sees the same valid columns,
              so the two differ only in float summation order; W keeps a decode step's attention within
              twice the columns in use instead of the whole capacity (max_model_len)
-    writes   new keys/values go to the write columns by index_copy_ (SlotKVCache.set_static), not by a
+    writes   new keys/values go to the write columns by index_copy_ (SlotKVCache.static), not by a
              slice whose bounds are Python ints
 
 Graphs are keyed by (forward, row bucket, new tokens per row, W): the policy at 1 (plain decode) and k + 1
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -68,11 +68,10 @@ def window_of(stop: int, capacity: int) -> int:
 
 @dataclass
 class _Entry:
-    inputs: dict[str, torch.Tensor]
-    window: int  # columns attended: 0 .. window - 1
+    inputs: dict[str, torch.Tensor]  # the static input buffers, [bucket rows, ...] each
+    body: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # what runs (or is captured) over them
     output: torch.Tensor | None = None
     graph: object = None  # torch.cuda.CUDAGraph once captured
-    runs: int = field(default=0)
 
 
 class StaticForwards:
@@ -85,7 +84,6 @@ class StaticForwards:
         kv = backend._kv
         self.max_rows = kv.max_rows
         self._col_C = torch.arange(kv.capacity, device=backend.device)
-        self._arange = torch.arange(64, device=backend.device)
         self._entries: dict[tuple[str, int, int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self.num_captured = 0
@@ -96,34 +94,13 @@ class StaticForwards:
     def policy(self, num_rows: int, ids_BT: torch.Tensor, positions_BT: torch.Tensor, write_col: int) -> torch.Tensor:
         """The policy's final hidden states [num_rows, T, H] for T new tokens per row written at
         write_col .. write_col + T - 1 (the caller has marked those columns valid for its rows)."""
-        num_new = ids_BT.shape[1]
-        entry = self._entry("policy", num_rows, num_new, write_col, lambda b: {
-            "ids": torch.zeros(b, num_new, dtype=torch.long, device=self.backend.device),
-            "pos": torch.zeros(b, num_new, dtype=torch.long, device=self.backend.device),
-            "col": torch.zeros(1, dtype=torch.long, device=self.backend.device)})
-        s = entry.inputs
-        s["ids"][:num_rows].copy_(ids_BT)
-        s["pos"][:num_rows].copy_(positions_BT)
-        s["col"].fill_(write_col)
-        return self._run(entry, "policy")[:num_rows]
+        return self._run("policy", num_rows, write_col, ids=ids_BT, pos=positions_BT)
 
     def drafter(self, num_rows: int, ids_B1: torch.Tensor, feats_B1H: torch.Tensor, turns_B11c: torch.Tensor,
                 write_col: int) -> torch.Tensor:
         """The EAGLE drafter's one-token forward (its predicted hidden state [num_rows, 1, H]) at write_col,
         from rotary factors turns_B11c (Drafter.rotary of the positions)."""
-        spec = self.backend._spec
-        dev, dtype = self.backend.device, feats_B1H.dtype
-        entry = self._entry("drafter", num_rows, 1, write_col, lambda b: {
-            "ids": torch.zeros(b, 1, dtype=torch.long, device=dev),
-            "feats": torch.zeros(b, 1, spec.drafter.config.hidden_size, dtype=dtype, device=dev),
-            "turns": torch.zeros(b, 1, 1, turns_B11c.shape[-1], dtype=turns_B11c.dtype, device=dev),
-            "col": torch.zeros(1, dtype=torch.long, device=dev)})
-        s = entry.inputs
-        s["ids"][:num_rows].copy_(ids_B1)
-        s["feats"][:num_rows].copy_(feats_B1H)
-        s["turns"][:num_rows].copy_(turns_B11c)
-        s["col"].fill_(write_col)
-        return self._run(entry, "drafter")[:num_rows]
+        return self._run("drafter", num_rows, write_col, ids=ids_B1, feats=feats_B1H, turns=turns_B11c)
 
     # ------------------------------------------------------------------ bodies (what a graph captures)
 
@@ -136,49 +113,47 @@ class StaticForwards:
         return ((valid_BW[:, None, :] & causal_TW) | own_TW)[:, None]
 
     def _policy_body(self, s: dict[str, torch.Tensor], window: int) -> torch.Tensor:
-        b = self.backend
         num_rows, num_new = s["ids"].shape
-        cols_T = s["col"] + self._arange[:num_new]
-        b._kv.set_static(num_rows, cols_T, window)
-        try:
-            return b._forward(s["ids"], s["pos"], self._mask(num_rows, cols_T, window))
-        finally:
-            b._kv.set_static(0, None, 0)
+        cols_T = s["col"] + self._col_C[:num_new]
+        with self.backend._kv.static(num_rows, cols_T, window):
+            return self.backend._forward(s["ids"], s["pos"], self._mask(num_rows, cols_T, window))
 
     def _drafter_body(self, s: dict[str, torch.Tensor], window: int) -> torch.Tensor:
         spec, kv = self.backend._spec, self.backend._kv
         num_rows = s["ids"].shape[0]
-        cols_T = s["col"] + self._arange[:1]
-        kv.set_static(num_rows, cols_T, window)
-        try:
+        cols_T = s["col"] + self._col_C[:1]
+        with kv.static(num_rows, cols_T, window):
             return spec.drafter.forward(s["ids"], s["feats"], None, self._mask(num_rows, cols_T, window), cache=kv,
                                         layer_idx=spec.layer, turns_B1Tc=s["turns"])
-        finally:
-            kv.set_static(0, None, 0)
 
     # ------------------------------------------------------------------ capture and replay
 
-    def _entry(self, kind: str, num_rows: int, num_new: int, write_col: int,
-               make_inputs: Callable[[int], dict[str, torch.Tensor]]) -> _Entry:
-        key = (kind, bucket_of(num_rows, self.max_rows), num_new, window_of(write_col + num_new, len(self._col_C)))
+    def _run(self, kind: str, num_rows: int, write_col: int, **inputs: torch.Tensor) -> torch.Tensor:
+        """Copy `inputs` (each [num_rows, ...]) and the write column into the static buffers of their shape
+        (made at its first use: rows padded to the bucket), run or replay the body of `kind` (policy or
+        drafter) over them, and return its output's first num_rows rows."""
+        num_new = inputs["ids"].shape[1]
+        key = (kind, bucket_of(num_rows, self.max_rows), num_new,
+               window_of(write_col + num_new, len(self._col_C)))
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(make_inputs(key[1]), window=key[3])
-        return entry
-
-    def _run(self, entry: _Entry, kind: str) -> torch.Tensor:
-        body = functools.partial(self._policy_body if kind == "policy" else self._drafter_body, window=entry.window)
+            static = {name: value.new_zeros(key[1], *value.shape[1:]) for name, value in inputs.items()}
+            static["col"] = self._col_C.new_zeros(1)
+            body = getattr(self, f"_{kind}_body")
+            entry = self._entries[key] = _Entry(static, functools.partial(body, window=key[3]))
+        for name, value in inputs.items():
+            entry.inputs[name][:num_rows].copy_(value)
+        entry.inputs["col"].fill_(write_col)
         if self.mode != "graphs":
-            entry.output = body(entry.inputs)
+            entry.output = entry.body(entry.inputs)
         elif entry.graph is None:
-            entry.graph, entry.output = self._capture(body, entry.inputs)
+            entry.graph, entry.output = self._capture(entry.body, entry.inputs)
             entry.graph.replay()  # a capture records the launches without running them
             self.num_captured += 1
         else:
             entry.graph.replay()
             self.num_replayed += 1
-        entry.runs += 1
-        return entry.output
+        return entry.output[:num_rows]
 
     def _capture(self, body, inputs: dict[str, torch.Tensor]):
         """Warm up on a side stream (lazy initialisation, allocator, library workspaces), then capture.

@@ -26,6 +26,8 @@ Test: pytest tests/engine/test_backend.py
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -47,7 +49,7 @@ class SlotKVCache:
         self._rows = slice(0, 0)
         self._write = 0
         self._vis_lo = 0
-        self._static_rows = 0  # set_static: rows 0.. of a fixed-shape forward, writing at _static_cols
+        self._static_rows = 0  # static(): rows 0.. of a fixed-shape forward, writing at _static_cols
         self._static_cols: torch.Tensor | None = None
         self._static_window = 0
 
@@ -57,11 +59,16 @@ class SlotKVCache:
         """Where the next forward writes (rows, first column) and from which column it attends."""
         self._rows, self._write, self._vis_lo = rows, write_col, vis_lo
 
-    def set_static(self, num_rows: int, cols_T: torch.Tensor | None, window: int) -> None:
-        """Fixed-shape forwards (graphs.py): the next updates write rows 0..num_rows-1 at the columns in
-        cols_T (a device tensor, all below window) and return columns 0..window-1; None returns to the
-        window of set_window."""
+    @contextlib.contextmanager
+    def static(self, num_rows: int, cols_T: torch.Tensor, window: int):
+        """Fixed-shape forwards (graphs.py): within the block, updates write rows 0..num_rows-1 at the
+        columns in cols_T (a device tensor, all below window) and return columns 0..window-1; after it,
+        the window of set_window again."""
         self._static_rows, self._static_cols, self._static_window = num_rows, cols_T, window
+        try:
+            yield
+        finally:
+            self._static_cols = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by each attention layer: store the new keys/values [b, h, T, d], return the visible

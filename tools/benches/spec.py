@@ -289,8 +289,9 @@ def _tv(a, b) -> float:
     return 0.5 * float((a / a.sum() - b / b.sum()).abs().sum())
 
 
-def _measure(model_path: str, sizes: dict, log) -> dict:
-    """Every figure of one policy, its drafter trained on the policy's own rollouts."""
+def _measure(model_path: str, sizes: dict, log, cuda_graphs: bool = True) -> dict:
+    """Every figure of one policy, its drafter trained on the policy's own rollouts; cuda_graphs: with
+    measure_cuda_graphs on the decode prompts."""
     import torch
 
     from tailrace.engine.drafter import Drafter
@@ -315,7 +316,8 @@ def _measure(model_path: str, sizes: dict, log) -> dict:
     tv, floor = _tv(spec, plain_a), _tv(plain_b, plain_a)
     log(f"tv: spec vs plain {tv:.4f}, plain vs plain {floor:.4f} ({int(spec.sum())} / {int(plain_a.sum())} tokens; "
         f"speculative steps by drafter {tv_steps})")
-    return _figures(by_batch, tv, floor, tv_steps) | figures
+    graphs = measure_cuda_graphs(model_path, decode_prompts, log) if cuda_graphs else {}
+    return _figures(by_batch, tv, floor, tv_steps) | figures | graphs
 
 
 def run(quick: bool, log: Callable[[str], None], workload_name: str = "default") -> dict:
@@ -331,21 +333,13 @@ def run(quick: bool, log: Callable[[str], None], workload_name: str = "default")
         raise ValueError(f"--workload: {workload_name!r} is not one of default, longtail")
     if workload_name == "default":
         model_path = os.environ.get("TAILRACE_BENCH_MODEL", "tiny")
-        return _measure(model_path, sizes, log) | _graphs(model_path, sizes, log) | {
-            "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
-    deep_path = os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL)
-    deep = _measure(deep_path, sizes, log) | _graphs(deep_path, sizes, log)
-    shallow = _measure("tiny", sizes, log)
+        return _measure(model_path, sizes, log) | {"load_1m_before": load_before,
+                                                       "load_1m_after": round(os.getloadavg()[0], 2)}
+    deep = _measure(os.environ.get("TAILRACE_BENCH_MODEL", LONGTAIL_MODEL), sizes, log)
+    shallow = _measure("tiny", sizes, log, cuda_graphs=False)
     four_layer = {key: shallow[key] for key in FOUR_LAYER_KEYS}
     return {**deep, "four_layer": four_layer, "four_layer_drafter": "its own, trained on its own rollouts",
             "load_1m_before": load_before, "load_1m_after": round(os.getloadavg()[0], 2)}
-
-
-def _graphs(model_path: str, sizes: dict, log) -> dict:
-    from tailrace.engine.models import load_tokenizer
-
-    prompts = _prompts(load_tokenizer(model_path), sizes["num_decode_prompts"], seed=2, min_chars=20)
-    return measure_cuda_graphs(model_path, prompts, log)
 
 
 def _figures(by_batch: dict, tv: float, floor: float, tv_steps: dict) -> dict:
