@@ -153,10 +153,11 @@ class Launcher:
         try:
             while not endpoint.is_file():
                 if not trainer.alive():
-                    raise RuntimeError(f"the trainer exited during start-up (code {trainer.proc.returncode}):\n"
-                                       f"{trainer.tail()}")
+                    raise RuntimeError(f"the trainer exited during start-up (code {trainer.proc.returncode}); "
+                                       f"the end of {trainer.log_path}:\n{trainer.tail()}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s:\n{trainer.tail()}")
+                    raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s; "
+                                       f"the end of {trainer.log_path}:\n{trainer.tail()}")
                 time.sleep(0.1)
             return trainer, json.loads(endpoint.read_text())
         except BaseException:  # also Ctrl-C during start-up: nothing of ours keeps running

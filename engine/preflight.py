@@ -74,7 +74,8 @@ def round_trip_warning(tokenizer: Any, model: str, example: str = ROUND_TRIP_EXA
 @contextlib.contextmanager
 def removed_if_start_fails(run_dir: Path) -> Iterator[None]:
     """The folders that the block creates for run_dir (it and any missing parents) are removed again when
-    the block raises: a failed start leaves no empty run folder behind."""
+    the block raises before any process wrote a log: a failed start leaves no empty run folder behind,
+    and the logs that its error message names stay."""
     top: Path | None = None
     if not run_dir.exists():
         top = run_dir
@@ -83,6 +84,8 @@ def removed_if_start_fails(run_dir: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if top is not None:
+        logs = run_dir / "logs"
+        wrote_logs = logs.is_dir() and any(log.stat().st_size > 0 for log in logs.iterdir() if log.is_file())
+        if top is not None and not wrote_logs:
             shutil.rmtree(top, ignore_errors=True)
         raise

@@ -1,0 +1,8 @@
+"""tailrace.protocol: the wire messages, codec, transport and reward-server SDK (protocol/SPEC.md).
+Imported only as tailrace.protocol; under a bare `protocol` it steps aside (engine/_toplevel/_bare_names.py)."""
+
+if "." not in __name__:  # imported as bare `protocol` because the checkout's root is on sys.path
+    import runpy  # by path: a checkout whose tailrace is not installed must step aside too
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).parents[1] / "engine/_toplevel/_bare_names.py"))["step_aside"](__name__, __file__)

@@ -1,6 +1,7 @@
 """Packaging and import hygiene, each in a fresh interpreter so import order is clean:
 - the import names live under `tailrace.` (no top-level `engine`, `kernels`, `protocol`), so transformers never
-  mistakes us for Hugging Face's `kernels`, and both install side by side in one venv;
+  mistakes us for Hugging Face's `kernels` (a dependency of transformers >= 5.25), and both install side by
+  side in one venv (tests/test_install.py covers the checkout's root on sys.path);
 - protocol/ imports nothing from engine/ or kernels/, and no torch unless a tensor is encoded or decoded.
 Run: pytest tests/test_packaging.py
 """
@@ -21,22 +22,25 @@ def run_python(code: str, cwd) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_transformers_does_not_see_hugging_face_kernels(tmp_path):
-    out = run_python("import transformers.utils as u; print(u.is_kernels_available())", tmp_path)
-    assert out == "False"
-
-
-def test_transformers_probe_finds_no_kernels_distribution_of_any_version(tmp_path):
-    out = run_python("from transformers.utils import import_utils as u; "
-                     "print(u.is_kernels_available.__wrapped__('0.0.0', '999999'))", tmp_path)
-    assert out == "False"
+def test_transformers_sees_only_hugging_face_kernels(tmp_path):
+    """transformers >= 5.25 depends on Hugging Face's `kernels`: its probe finds that distribution (or,
+    where it is not installed, nothing), never a folder of this repository."""
+    out = run_python("import importlib.util as iu, importlib.metadata as md; from transformers.utils import "
+                     "import_utils as u; spec = iu.find_spec('kernels'); "
+                     "print(spec and spec.origin, u._is_package_available('kernels', return_version=True)[1])",
+                     tmp_path)
+    origin, version = out.split()
+    assert str(REPO / "kernels") not in origin
+    assert (origin == "None") == (version == "N/A"), out
 
 
 def test_no_generic_top_level_import_names(tmp_path):
     out = run_python("import importlib.util as u; "
-                     "print([n for n in ('engine', 'kernels', 'protocol', 'tailrace.engine') if u.find_spec(n)])",
-                     tmp_path)
-    assert out == "['tailrace.engine']"
+                     "print([n for n in ('engine', 'protocol', 'tailrace.engine') if u.find_spec(n)], "
+                     "str((u.find_spec('kernels') or u.find_spec('json')).origin))", tmp_path)
+    names, _, kernels_origin = out.partition("] ")
+    assert names == "['tailrace.engine'"
+    assert str(REPO / "kernels") not in kernels_origin, out
 
 
 BOTH_INSTALLED = """

@@ -105,6 +105,21 @@ def test_a_failed_start_removes_the_folders_it_created(tmp_path):
     assert (run_dir / "checkpoint").is_dir()
 
 
+def test_a_failed_start_keeps_the_log_it_names(tmp_path, monkeypatch):
+    """The trainer exits during start-up: the error names its log, the log holds the child's output, and
+    the run folder stays because a log was written (the message would point at nothing otherwise)."""
+    from tailrace.engine import launch
+
+    run_dir = tmp_path / "runs" / "r1"
+    with pytest.raises(RuntimeError) as failed, preflight.removed_if_start_fails(run_dir):
+        launcher = launch._set_up(RunConfig(), run_dir, resume=False, progress=False)
+        monkeypatch.setattr(launcher, "cli", lambda *args: [sys.executable, "-c", "print('the cause'); exit(3)"])
+        launcher.start_trainer()
+    log = run_dir / "logs" / "trainer.log"
+    assert f"code 3); the end of {log}:\nthe cause" in str(failed.value)
+    assert log.read_text().strip() == "the cause"
+
+
 # ---------------------------------------------------------------------------------------- tokenizer
 
 
