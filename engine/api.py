@@ -41,7 +41,7 @@ class RunFailed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     run_dir: Path
-    summary: dict[str, Any]  # summary.json: steps, rewards, accounting, wall time (README: "Outputs")
+    summary: dict[str, Any]  # summary.json: steps, rewards, accounting, wall time (docs/getting-started.md)
 
     @property
     def metrics_path(self) -> Path:

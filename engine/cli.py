@@ -19,7 +19,7 @@ import argparse
 import sys
 
 OVERRIDES_HELP = ("settings override the config file as dotted names, e.g. --train.lr 1e-4 "
-                  "--sampling.group_size 8 (see README, 'Configuration')")
+                  "--sampling.group_size 8 (docs/configuration.md lists them)")
 SETTINGS_EPILOG = ("settings: `tailrace config [--config FILE] [--section.name VALUE ...]` prints every one, "
                    "resolved, with its meaning and default")
 CONNECT_TIMEOUT_HELP = ("how long to wait for the trainer to answer, saying so every 10 s; "
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     trainer.add_argument("--nproc", type=int, default=1,
                          help="trainer ranks on this machine: starts torchrun, FSDP2-sharded (default 1)")
 
-    gen = sub.add_parser("generator", help="a sampler on the built-in torch backend", epilog=SETTINGS_EPILOG,
+    gen = sub.add_parser("generator", help="a sampler on the backend generator.backend names (torch by default)", epilog=SETTINGS_EPILOG,
                          description="Connect to a trainer, pull work, stream finished samples, take new "
                          "weights between decode steps. " + OVERRIDES_HELP)
     gen.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")

@@ -21,7 +21,7 @@ import tomli_w
 
 BACKENDS = ("torch", "vllm", "sglang")  # generator.backend: engine/generator/interface.py builds them
 SPECULATION = ("auto", "on", "eagle", "suffix", "off")  # generator.speculation
-VLLM_SPEC_METHODS = ("ngram",)  # generator.vllm_spec_method: the ones tested on vLLM's CPU build (README)
+VLLM_SPEC_METHODS = ("ngram",)  # generator.vllm_spec_method: the ones tested on vLLM's CPU build (docs/scaling.md)
 
 
 def _check(cond: bool, name: str, text: str) -> None:
@@ -64,7 +64,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; README: Your own model and data)
+    source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; docs/model-and-data.md)
     task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
     prompt_field: str = "prompt"  # file rows: the field holding the prompt, text or a list of {role, content} turns (else a `messages` field)
     chat_template: str = "auto"  # conversational rows: auto (the tokenizer's chat template) / none (refused) / a Jinja template file that overrides the tokenizer's
@@ -144,7 +144,7 @@ class RewardConfig:
     timeout_s: float = 30.0  # per score request
     retries: int = 2  # a failed or timed-out request is retried on another server this often
     wait_for_server_s: float = 60.0  # how long a completion only a server can score waits for one (then: no_reward_server)
-    functions: tuple[RewardFunctionConfig, ...] = ()  # several functions, served as their weighted sum by one reward server: [{fn = "mod:f", weight = 1.0, name = "", tasks = []}, ...] or "mod:f,mod:g=0.5"; README: Several reward functions
+    functions: tuple[RewardFunctionConfig, ...] = ()  # several functions, served as their weighted sum by one reward server: [{fn = "mod:f", weight = 1.0, name = "", tasks = []}, ...] or "mod:f,mod:g=0.5" (docs/rewards.md)
 
     def __post_init__(self):
         _check(self.mode in ("auto", "builtin", "servers"), "reward.mode",
@@ -235,7 +235,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every_steps: int = 0  # evaluate after every N optimizer steps (README, "Evaluation"); 0 = off
+    every_steps: int = 0  # evaluate after every N optimizer steps (docs/algorithms.md); 0 = off
     source: str = "synthetic"  # "synthetic": a held-out split of data.task's prompts, never trained on; or a .jsonl / .parquet file or "hf:NAME[:SPLIT]", read like data.source
     num_prompts: int = 32  # prompts per evaluation (files: the first rows; 0 = every row of the file)
     n: int = 4  # samples per prompt at eval.temperature, for pass@k (besides one greedy sample)
@@ -292,7 +292,7 @@ class GeneratorConfig:
     vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
-    cuda_graphs: bool = True  # torch backend on a CUDA device: the decode, verify and draft forwards run at fixed shapes (rows padded to a power-of-two bucket, attention over a power-of-two window of columns) and are replayed as CUDA graphs captured at each shape's first use; no effect on a CPU (README: CUDA graphs in the torch backend)
+    cuda_graphs: bool = True  # torch backend on a CUDA device: the decode, verify and draft forwards run at fixed shapes (rows padded to a power-of-two bucket, attention over a power-of-two window of columns) and are replayed as CUDA graphs captured at each shape's first use; no effect on a CPU (docs/scaling.md)
 
     def __post_init__(self):
         _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
@@ -308,7 +308,7 @@ class GeneratorConfig:
                f"{self.speculation!r} does not run on the {self.backend} backend, which takes {', '.join(allowed)} "
                "(the torch backend has the eagle and suffix drafters; vllm speculates with its own method when on)")
         _check(self.vllm_spec_method in VLLM_SPEC_METHODS, "generator.vllm_spec_method",
-               f"{self.vllm_spec_method!r} is not one of {', '.join(VLLM_SPEC_METHODS)} (README: Generator backends)")
+               f"{self.vllm_spec_method!r} is not one of {', '.join(VLLM_SPEC_METHODS)} (docs/scaling.md)")
         _check(self.vllm_spec_tokens >= 1, "generator.vllm_spec_tokens", "must be >= 1")
         _check(self.backend == "torch" or not self.tree_fork_depths, "generator.tree_fork_depths",
                f"tree sampling runs on the torch backend only, not {self.backend!r}")
@@ -501,7 +501,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _inline(value: Any) -> str:
-    """A value as inline TOML text, for the README's reference table (files go through tomli_w)."""
+    """A value as inline TOML text, for the settings reference (files go through tomli_w)."""
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_inline(v) for v in value) + "]"
     if dataclasses.is_dataclass(value):
@@ -565,7 +565,8 @@ def commented_toml(cfg: RunConfig) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference, generated from the dataclasses above."""
+    """The settings reference table, generated from the dataclasses above: docs/configuration.md
+    (tools/config_reference.py writes the page around it)."""
     lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
     for section, f, _, default, doc in _settings(RunConfig()):
         lines.append(f"| `{section}.{f.name}` | `{_inline(default)}` | {doc.replace('|', '/')} |")

@@ -1,6 +1,6 @@
 """What an evaluation is, shared by the trainer's in-run evaluation (engine/trainer/evaluation.py) and
 `tailrace eval --checkpoint DIR` (engine/evaluate.py): its prompts, its work, the pass@k estimator and
-the figures it reports (README, "Evaluation").
+the figures it reports (docs/algorithms.md, "Evaluation").
 
     eval_prompts(cfg, tokenizer, max_prompt_tokens)  eval.num_prompts prompts of eval.source
     eval_requests(cfg, prompts, eos)                 per prompt: one greedy sample, eval.n sampled ones

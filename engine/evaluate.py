@@ -1,4 +1,4 @@
-"""`tailrace eval --checkpoint DIR`: evaluate a saved model the way a run's evaluation does (README, "Evaluation").
+"""`tailrace eval --checkpoint DIR`: evaluate a saved model the way a run's evaluation does (docs/algorithms.md).
 
 Loads a checkpoint folder (runs/<name>/checkpoint/latest or step_NNNNNN: what transformers' from_pretrained
 loads) on the backend generator.backend names, samples the eval prompts (engine/evals.py: one greedy sample

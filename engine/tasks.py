@@ -90,7 +90,7 @@ def sample_length(rng: random.Random, median: float = LENGTH_MEDIAN, sigma: floa
 
 def make_prompt(task: str, seed: int, index: int, *, split: str = "train") -> Prompt:
     """Prompt ``index`` of the stream ``(task, seed)``; a pure function of its arguments. ``split="eval"``
-    is another stream of the same task (the held-out prompts of README "Evaluation"); texts the two
+    is another stream of the same task (the held-out prompts of docs/algorithms.md, "Evaluation"); texts the two
     streams share are kept out of training by the trainer, not here."""
     spec = _task(task)
     if index < 0:

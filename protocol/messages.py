@@ -88,7 +88,7 @@ class SamplingParams(WireStruct):
 class WorkItem(WireStruct):
     """One prompt to sample `num_samples` times (a GRPO group, or part of one).
 
-    eval: the trainer's evaluation (README, "Evaluation"): sampled and streamed like any work, answered by
+    eval: the trainer's evaluation (docs/algorithms.md, "Evaluation"): sampled and streamed like any work, answered by
     Rollouts with eval set, scored and reported by the trainer, never trained. min_policy_version: the
     oldest policy version that may sample it; it may name a version whose WeightsNotice is still to come
     (the trainer admits work for version V + 1 while it copies V + 1's weights for publishing): a generator

@@ -1,5 +1,5 @@
 """The import graph, read with `ast` from the source files (every import, also those inside functions):
-dependencies point down, tools -> engine -> (kernels, protocol), as README's "Layout and import names" says.
+dependencies point down, tools -> engine -> (kernels, protocol), as docs/architecture.md's "Layout and import names" says.
 
     engine/replay/      never imports engine/trainer/: the types both use (samples, prompt records, the
                         SequenceLoss call and its normaliser) live below them, in engine/samples.py and

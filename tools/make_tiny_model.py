@@ -64,7 +64,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
 
 from tailrace.engine import tasks  # noqa: E402  (pure Python; torch is imported in main())
 
-# The long-tail policy's recipe (examples/tiny_longtail), as the docstring and README give it.
+# The long-tail policy's recipe (examples/tiny_longtail), as the docstring and docs/benchmarks.md give it.
 LONGTAIL_RECIPE = ("--task", "reverse_longtail", "--out", "examples/tiny_longtail", "--init", "examples/tiny",
                    "--num-layers", "12", "--hidden-size", "128", "--lengths", "loguniform", "--steps", "560",
                    "--noisy-steps", "110", "--noise", "0.2", "--lr", "2e-3", "--batch-size", "32",

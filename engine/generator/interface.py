@@ -122,8 +122,8 @@ def speculation_drafters(cfg: RunConfig, backend: Backend) -> tuple[str, ...]:
 
     "auto" on a CPU drops the EAGLE drafter unless generator.drafter_path gives a trained one: training
     it in the generator's idle turns (spot_training) is not free there, because the cores a generator
-    leaves idle are the ones the trainer and the other generators run on (measured: the default
-    workload's stream run took ~20% longer with it, the trainer's own steps slowed by the contention)."""
+    leaves idle are the ones the trainer and the other generators run on: the contention slows the
+    trainer's own steps, and the whole run with them (docs/benchmarks.md)."""
     drafters = cfg.generator.spec_drafters
     if drafters and not isinstance(backend, SpeculationHooks):
         if cfg.generator.speculation != "auto":

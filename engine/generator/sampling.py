@@ -83,7 +83,7 @@ class SamplingBatch:
 
 _NUM_CANDIDATES = 64
 """Top-p first looks for its nucleus among this many most likely tokens: a top-k selection costs a
-fraction of a full-vocabulary sort (16 x 32k: 0.8 ms against 40 ms on one CPU core)."""
+fraction of a full-vocabulary sort (docs/benchmarks.md)."""
 
 
 def _truncate(scaled_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -12,8 +12,8 @@ SuffixDrafter is the backend's side: one index per prompt (so a group's concurre
 same prompt's earlier completions draft for each other), each running sample's text added lazily, at the
 steps that draft from it, so plain and EAGLE steps pay no host sync for it; and a prompt's n-grams are
 indexed only when a draft is asked of that index, so a generator whose bandit keeps suffix drafting off
-pays a list append per finished sample, not the indexing (that cost 2-3% of decode time at running batch 16
-on the default workload, whose samples are a few tokens long).
+pays a list append per finished sample, not the indexing (a measurable share of decode time where
+samples are a few tokens long: docs/benchmarks.md).
 Test: pytest tests/engine/test_suffix.py
 """
 

@@ -50,7 +50,7 @@ def engine_environment(num_threads: int, cache_dir: str | Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     # vLLM's ngram proposer runs numba with parallel=True; numba's own pool (one thread per core by
-    # default) beside the OpenMP threads made every step about 18x slower here (tools/bench.py vllm_spec).
+    # default) beside the OpenMP threads made every step many times slower (docs/benchmarks.md).
     os.environ.setdefault("NUMBA_NUM_THREADS", str(num_threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
@@ -80,7 +80,7 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
               speculative: dict | None = None) -> Any:
     """A vllm.LLM for `model_path` with the settings this backend relies on (the benchmark's raw
     baseline is the same object driven by LLM.generate). compile: torch.compile the model (vLLM's
-    default; on this CPU it adds about a minute to every start). speculative: vLLM's
+    default; on a CPU it makes every start much slower). speculative: vLLM's
     speculative_config (speculative_config()), None for none."""
     engine_environment(num_threads, cache_dir)
     from transformers import AutoConfig
@@ -101,8 +101,8 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
 
 def sampled_speculation_refused() -> bool:
     """vLLM's CPU build (vllm-cpu 0.32) speculates losslessly for greedy requests only: its C++
-    rejection sampler draws sampled tokens from a visibly different distribution (README: Generator
-    backends; tests/engine/test_vllm_speculation.py), so sampled requests are refused there."""
+    rejection sampler draws sampled tokens from a visibly different distribution (docs/scaling.md;
+    tests/engine/test_vllm_speculation.py), so sampled requests are refused there."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -265,8 +265,7 @@ def vllm_backend(cfg: Any) -> VLLMBackend:
     engine_environment(cfg.launch.torch_threads, cache_dir)  # before vLLM's first import
     if speculative is not None and cfg.sampling.temperature > 0.0 and sampled_speculation_refused():
         raise ValueError("generator.speculation on the vllm backend needs sampling.temperature 0 on vLLM's CPU "
-                         "build: its rejection sampler is not lossless for sampled tokens (README: Generator "
-                         "backends)")
+                         "build: its rejection sampler is not lossless for sampled tokens (docs/scaling.md)")
     llm = build_llm(path, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_model_len,
                     dtype=cfg.model.dtype, seed=cfg.train.seed, cache_dir=cache_dir,
                     num_threads=cfg.launch.torch_threads, speculative=speculative)

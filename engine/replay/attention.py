@@ -169,9 +169,8 @@ def paths_attention(q_HNd: torch.Tensor, k_KNd: torch.Tensor, v_KNd: torch.Tenso
 # of this project's 2-core Xeon VM, one GRPO group of 8 branches, heads x head_dim 128 and 1024): a masked
 # dense call costs about DENSE_COST_PER_PAIR x heads x head_dim per query-key pair of its whole N x N
 # square; paths_attention about PATHS_COST_PER_PAIR per exact pair plus PATHS_COST_PER_SEGMENT per segment
-# (its calls, slicing and log-sum-exp merges). Seconds; only their ratios matter. Measured: 8 branches of
-# 2 tokens under a prompt of 8, dense 0.09 ms vs paths 0.83 ms (heads x dim 128); 8 branches of 60,
-# dense 4.3 ms vs paths 2.6 ms.
+# (its calls, slicing and log-sum-exp merges). Seconds; only their ratios matter. The measurements they
+# were fitted to: docs/benchmarks.md.
 DENSE_COST_PER_PAIR = 1.2e-10
 PATHS_COST_PER_PAIR = 6e-10
 PATHS_COST_PER_SEGMENT = 1e-4
@@ -203,8 +202,8 @@ def tree_attention_cpu(q_HNd: torch.Tensor, k_KNd: torch.Tensor, v_KNd: torch.Te
                        masks: dict) -> torch.Tensor:
     """A packed call's attention on a CPU (no external prefix, no window), root subtree by root subtree:
     one masked dense SDPA call over a subtree's rows (token j visible to i iff j <= i < subtree_end[j])
-    where that is cheaper than paths_attention's per-segment calls (many short branches: on the tiny
-    long-tail policy a GRPO group of 8 short samples is ~5x faster dense), else paths_attention. Both
+    where that is cheaper than paths_attention's per-segment calls (many short branches, as in a GRPO
+    group of short samples: docs/benchmarks.md), else paths_attention. Both
     are exact: the same keys per query, masked pairs weigh exactly zero. masks: the layers' shared cache
     (the plan and the dense masks)."""
     if "cpu_plan" not in masks:

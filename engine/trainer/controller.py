@@ -7,7 +7,7 @@
     lease runs out --> the sample is reclaimed ("lease_expired") and re-queued; a late result is dropped
 
 Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
-they return. Every sample handed out ends as trained or discarded with a reason (README, "Architecture");
+they return. Every sample handed out ends as trained or discarded with a reason (docs/operating.md);
 `check_accounting` proves it and raises AccountingError when it does not hold. Test: pytest tests/engine/test_controller.py
 """
 

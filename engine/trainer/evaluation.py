@@ -1,4 +1,4 @@
-"""The trainer's evaluation during a run (README, "Evaluation"): every eval.every_steps steps, after the new
+"""The trainer's evaluation during a run (docs/algorithms.md, "Evaluation"): every eval.every_steps steps, after the new
 weights are published, the held-out prompts go to the generators as work flagged eval, are scored by the
 reward path training uses (attached reward servers, built-in functions), and their figures join the
 step's line in metrics.jsonl as eval/... keys.

@@ -303,8 +303,8 @@ def _clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:
 
 def _fused_adamw(params: Sequence[torch.Tensor]) -> bool:
     """AdamW's fused kernel: one call per step instead of a dozen ops per parameter, the same update.
-    PyTorch's default on a CPU is the per-parameter loop (its foreach path is CUDA's): on the 12-layer
-    tiny policy (110 tensors) a step took 6.9 ms that way and 2.2 ms fused. Plain CPU or CUDA float
+    PyTorch's default on a CPU is the per-parameter loop (its foreach path is CUDA's), which costs a
+    small model's step several times the fused call (docs/benchmarks.md). Plain CPU or CUDA float
     tensors only; FSDP2's sharded DTensors keep PyTorch's default."""
     from torch.distributed.tensor import DTensor
 

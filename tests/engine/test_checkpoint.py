@@ -110,7 +110,7 @@ def test_checkpoint_loads_with_transformers(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
     learner.step(batches(2)[1])
     checkpoint.save(tmp_path, learner, data_position={})
-    newest = AutoModelForCausalLM.from_pretrained(tmp_path / "latest")  # what README tells a user to load
+    newest = AutoModelForCausalLM.from_pretrained(tmp_path / "latest")  # what the docs tell a user to load
     for name, tensor in learner.model.state_dict().items():
         assert torch.equal(newest.state_dict()[name], tensor), name
     assert (tmp_path / "latest").resolve() == (tmp_path / "step_000002").resolve()

@@ -1,4 +1,4 @@
-"""README's operator's section lists every discard reason the code can count, so the list stays true.
+"""docs/operating.md's "Discard reasons" lists every discard reason the code can count, so the list stays true.
 
 The reasons are found in the source, not in a list kept beside it: string literals given as the reason to
 `on_discard`, `ScoringFailed`, `_reclaim` and `on_stop` (also inside a conditional expression), the default
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "operating.md"
 REASON_ARG = {"on_discard": 2, "ScoringFailed": 0, "_reclaim": 1, "on_stop": 0}  # call name -> position
 RETURNS_REASONS = {"rollout_problem"}  # functions returning (reason, text) that the service discards with
 
@@ -50,10 +50,10 @@ def code_reasons() -> set[str]:
     return found
 
 
-def readme_reasons() -> set[str]:
-    text = README.read_text()
-    match = re.search(r"^### Discard reasons\n(.*?)(?=^#)", text, re.S | re.M)
-    assert match, "README has no '### Discard reasons' section"
+def documented_reasons() -> set[str]:
+    text = PAGE.read_text()
+    match = re.search(r"^#+ Discard reasons\n(.*?)(?=^#)", text, re.S | re.M)
+    assert match, "docs/operating.md has no 'Discard reasons' section"
     return set(re.findall(r"^\| `([a-z_]+)` \|", match.group(1), re.M))
 
 
@@ -69,11 +69,11 @@ def test_the_scanner_finds_reasons_in_each_form():
     assert reasons_in(tree) == set("abcdef")
 
 
-def test_every_discard_reason_in_the_code_is_in_readme():
+def test_every_discard_reason_in_the_code_is_documented():
     found = code_reasons()
     # The scanner still sees the code's forms: a reason from each place that discards.
     assert {"generator_dead", "lease_expired", "no_reward_server", "reward_timeout", "bad_rollout",
             "generator_cancelled", "run_ended"} <= found, found
-    listed = readme_reasons()
-    assert found - listed == set(), f"discard reasons missing from README's list: {sorted(found - listed)}"
-    assert listed - found == set(), f"README lists reasons the code never uses: {sorted(listed - found)}"
+    listed = documented_reasons()
+    assert found - listed == set(), f"discard reasons missing from docs/operating.md: {sorted(found - listed)}"
+    assert listed - found == set(), f"docs/operating.md lists reasons the code never uses: {sorted(listed - found)}"

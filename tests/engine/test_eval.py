@@ -1,4 +1,4 @@
-"""Evaluation (README, "Evaluation"): the pass@k estimator against hand-computed values and a brute-force
+"""Evaluation (docs/algorithms.md, "Evaluation"): the pass@k estimator against hand-computed values and a brute-force
 enumeration, the held-out synthetic split, the figures of one evaluation, the settings; then a real short
 `tailrace run` with eval.every_steps (eval/ keys at the right steps, training accounting still exact) and
 `tailrace eval --checkpoint` on its checkpoint, twice (greedy and seeded figures identical)."""

@@ -1,4 +1,4 @@
-"""The ready configs in examples/ (README: "Examples"): each one loads and validates on a CPU; the tiny CPU
+"""The ready configs in examples/ (docs/getting-started.md, "Examples"): each one loads and validates on a CPU; the tiny CPU
 run is the quickstart's defaults spelled out; the arithmetic example trains with examples/reward_server.py
 attached over the protocol. Run: pytest tests/engine/test_examples.py (the end-to-end run is `slow`)
 """
@@ -88,21 +88,22 @@ def test_the_gpu_example_names_a_gpu_and_vllm():
     assert cfg.reward.functions and cfg.data.source == "hf:openai/gsm8k:main:train"
 
 
-def _readme_block(section: str, language: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    body = readme[readme.index(f"\n## {section}\n"):]
-    body = body[: body.index("\n## ", 1)]
+def _docs_block(page: str, section: str, language: str) -> str:
+    text = (ROOT / "docs" / page).read_text()
+    body = text[text.index(f"\n## {section}\n"):]
+    end = body.find("\n## ", 1)  # the next section, if the page has one
+    body = body if end < 0 else body[:end]
     start = body.index(f"```{language}\n") + len(f"```{language}\n")
     return body[start: body.index("```", start)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_readme_python_api_example_runs_as_written(tmp_path):
-    """README's "Python API" snippet, verbatim, in a folder holding the examples (it names
+def test_docs_python_api_example_runs_as_written(tmp_path):
+    """docs/getting-started.md's "Python API" snippet, verbatim, in a folder holding the examples (it names
     examples/arithmetic/prompts.jsonl), with its 20 steps."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    code = _readme_block("Python API", "python")
+    code = _docs_block("getting-started.md", "Python API", "python")
     assert "tailrace.run(cfg, reward_fn=score)" in code
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

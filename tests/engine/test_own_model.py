@@ -1,4 +1,4 @@
-"""README's "Your own model and data" as a user follows it: a model folder of their own, JSONL rows of task
+"""docs/model-and-data.md's recipe as a user follows it: a model folder of their own, JSONL rows of task
 "math", `reward.mode = "servers"`. `tailrace run` starts no built-in reward server (it could not score
 "math"), prints the line that attaches one, says the stall while none is attached, and trains to the end
 once the user's server attaches with that line. Real processes over loopback; stops only what it started.

@@ -25,11 +25,11 @@ def test_shipped_longtail_policy_loads_and_is_its_recipes_model():
     assert models.resolve_model_path("tiny_longtail") == str(folder)
     preflight.check_model_path("tiny_longtail")  # model.path = "tiny_longtail" names it
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 8e6
-    # The recipe in the docstring and README builds this shape: same config, same generation defaults.
+    # The recipe in the docstring and docs/benchmarks.md builds this shape: same config, same generation defaults.
     recipe = " ".join(make_tiny_model.LONGTAIL_RECIPE)
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
     assert recipe in " ".join(make_tiny_model.__doc__.replace("\\\n", " ").split())
-    assert recipe in " ".join(readme.replace("\\\n", " ").split())
+    assert recipe in " ".join(page.replace("\\\n", " ").split())
     args = make_tiny_model.parse_args(make_tiny_model.LONGTAIL_RECIPE)
     assert args.task == "reverse_longtail" and args.out.name == folder.name
     built = make_tiny_model.build_model(make_tiny_model.build_tokenizer(), args.hidden_size, args.num_layers,

@@ -1,6 +1,6 @@
 """What a new user hits, checked: one-line errors naming the setting, a peer that waits for its trainer,
 a tokenizer that does not round-trip, the CLI's --version / usage / `tailrace config`, reward dict
-details in the metrics, and README's own-data recipe end to end (a reward server started first, a fixed
+details in the metrics, and the own-data recipe (docs/model-and-data.md) end to end (a reward server started first, a fixed
 trainer.bind from the config file, file data with data.epochs, checkpoint/latest, the summary line)."""
 
 import asyncio
@@ -240,7 +240,7 @@ def test_reward_cli_with_a_deadline_and_no_trainer_says_so_in_one_line(tmp_path)
                                             "address?)")
 
 
-# ---------------------------------------------------------------------------------------- README's recipe
+# ------------------------------------------------------------------------------- the own-data recipe
 
 REWARD_MODULE = '''
 def score(prompt, completion, metadata):

