@@ -267,7 +267,7 @@ class TrainerConfig:
     credits: int = 256  # messages each peer may have in flight toward the trainer
     weights_chunk_bytes: int = 16 << 20  # size of one WeightsChunk
     stats_interval_s: float = 1.0  # telemetry period of every process
-    curve_secret_key_file: str = ""  # enables CURVE; the public key file sits next to it (.pub)
+    curve_secret_key_file: str = ""  # enables CURVE: file of the trainer's secret key (40 Z85 characters)
     curve_clients_file: str = ""  # with CURVE: allow-list of client keys and their roles; "" = any key
     accept_drafters: bool = True  # take drafters that generators upload (checked, next version only)
 

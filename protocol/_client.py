@@ -47,6 +47,11 @@ from tailrace.protocol.messages import (
 
 RETRY_FIRST_S = 0.5  # first pause after a refused or unanswered Hello; doubles up to RETRY_MAX_S
 RETRY_MAX_S = 8.0
+SESSION_ENDED = {  # Errors by which the trainer ends a session (protocol/SPEC.md, "Error codes")
+    ErrorCode.NOT_WELCOME: "the trainer does not know this session",
+    ErrorCode.TAKEN_OVER: "taken over: a newer process holds this name",
+    ErrorCode.DECLARED_DEAD: "the trainer declared this session dead",
+}
 
 
 class Client(Endpoint):
@@ -262,10 +267,10 @@ class Client(Endpoint):
             self._welcomed.set_exception(self._error)
             self._welcomed.exception()  # retrieved here: connect() may already have timed out
 
-    def _lose(self, reason: str, level: int = logging.WARNING) -> None:
+    def _lose(self, reason: str, level: int = logging.WARNING, code: int = 0) -> None:
         if self._error is None:
             log.log(level, "lost the trainer at %s: %s", self.address, reason)
-        self._stop(ConnectionLost(reason))
+        self._stop(ConnectionLost(reason, code))
 
     async def _send_frames(self, frames: list) -> None:
         await self._dealer.send(frames)
@@ -278,6 +283,8 @@ class Client(Endpoint):
         try:
             msg = codec.decode(frames, self.limits)
         except Exception as exc:  # ProtocolError, or a codec bug: no input may stop this loop
+            if self.welcome is None and self._other_version_reject(frames, exc):
+                return
             self.counters["bad_input"] += 1
             log.warning("bad message from the trainer dropped: %r", exc)
             code = exc.code if isinstance(exc, ProtocolError) else ErrorCode.INTERNAL
@@ -295,8 +302,8 @@ class Client(Endpoint):
         if self.welcome is None:
             self._on_handshake(msg)
             return
-        if kind is Error and msg.code == ErrorCode.NOT_WELCOME:
-            self._lose(f"the trainer no longer knows this peer: {msg.text}")
+        if kind is Error and msg.code in SESSION_ENDED:
+            self._lose(f"{SESSION_ENDED[msg.code]} (Error {msg.code}: {msg.text})", code=msg.code)
         elif kind is Shutdown:
             self.shutdown_reason = msg.reason
             self._inbox.append(msg)
@@ -306,6 +313,20 @@ class Client(Endpoint):
         else:
             self._inbox.append(msg)
             self._ready.set()
+
+    def _other_version_reject(self, frames: list, exc: Exception) -> bool:
+        """A Reject framed in another protocol version: a trainer of that version refusing our Hello."""
+        if not (isinstance(exc, ProtocolError) and exc.code == ErrorCode.VERSION_MISMATCH):
+            return False
+        try:
+            version, msg = codec.decode_any_version(frames, self.limits)
+        except ProtocolError:
+            return False
+        if type(msg) is not Reject:
+            return False
+        self._on_handshake(Reject(code=msg.code, text=f"{msg.text} (the trainer speaks protocol version {version}, "
+                                                      f"this peer {PROTOCOL_VERSION})"))
+        return True
 
     def _on_handshake(self, msg: Any) -> None:
         if self._welcomed is None or self._welcomed.done():

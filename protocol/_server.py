@@ -23,6 +23,7 @@ from tailrace.protocol._wire import (
     MAX_TEXT,
     BindFailed,
     Endpoint,
+    RateLimiter,
     Ticks,
     bind_address,
     log,
@@ -157,6 +158,7 @@ class Server(Endpoint):
         self._listeners: list[Callable[[PeerEvent], None]] = []
         self._router: Any = None
         self._pub: Any = None
+        self._version_log = RateLimiter(rate_per_s=1.0, burst=10.0)  # refused versions: a log line each, bounded
         self._offload = OffLoopDecoder(lambda frames: codec.decode(frames, self.limits), self._on_decoded,
                                        self._spawn, self.counters)
 
@@ -369,20 +371,44 @@ class Server(Endpoint):
         except ProtocolError:
             kind = 0
         if kind == Hello.KIND and exc.code == ErrorCode.VERSION_MISMATCH and ident not in self._peers:
-            self._reply(ident, Reject(code=exc.code, text=str(exc)[:MAX_TEXT]), limited=True)
+            self._refuse_other_version(ident, frames)
             return
         self._reply_error(ident, exc.code, str(exc), kind)
+
+    def _refuse_other_version(self, ident: bytes, frames: list) -> None:
+        """A Hello under another protocol version's header: Reject 403 framed in that version, which a peer
+        of any version can read (SPEC.md, "Versions"), and a log line naming it and both versions."""
+        try:
+            version, hello = codec.decode_any_version(frames, self.limits)
+        except ProtocolError:  # its header was read (else no VERSION_MISMATCH), its body was not
+            version, hello = codec.peek_header(frames[0])[0], None
+        self.counters["peers/rejected"] += 1
+        self._log_refused_version(ident, hello, version)
+        text = f"protocol version {version} not supported; this trainer speaks {PROTOCOL_VERSION}"
+        self._reply_frames(ident, codec.encode_reject(Reject(code=ErrorCode.VERSION_MISMATCH, text=text), version),
+                           limited=True)
+
+    def _log_refused_version(self, ident: bytes, hello: Any, version: int) -> None:
+        self.counters["peers/rejected/version"] += 1
+        if not self._version_log.allow(b""):
+            return
+        who = f"{hello.role} {hello.name!r}" if hello is not None else "a peer whose Hello could not be read"
+        log.warning("refused %s (routing id %r): it speaks protocol version %d, this trainer speaks %d",
+                    who, ident, version, PROTOCOL_VERSION)
 
     def _reply_error(self, ident: bytes, code: int, text: str, ref_kind: int = 0) -> None:
         self._reply(ident, Error(code=code, text=text[:MAX_TEXT], ref_kind=ref_kind), limited=True)
 
     def _reply(self, ident: bytes, msg: Any, limited: bool = False) -> bool:
+        return self._reply_frames(ident, codec.encode(msg), limited)
+
+    def _reply_frames(self, ident: bytes, frames: list, limited: bool) -> bool:
         if limited and not self._errors.allow(ident):
             self.counters["errors/rate_limited"] += 1
             return False
         if limited:
             self.counters["errors/sent"] += 1
-        return self._send_nowait(self._router, [ident, *codec.encode(msg)])
+        return self._send_nowait(self._router, [ident, *frames])
 
     def _on_hello(self, ident: bytes, hello: Hello) -> None:
         key = self._router.user_id if self._auth is not None else ""
@@ -390,7 +416,10 @@ class Server(Endpoint):
         reject = self._check_hello(hello, key, old)
         if reject is not None:
             self.counters["peers/rejected"] += 1
-            log.info("rejected %s %r: %s", hello.role, hello.name, reject.text)
+            if reject.code == ErrorCode.VERSION_MISMATCH:
+                self._log_refused_version(ident, hello, hello.protocol_version)
+            else:
+                log.info("rejected %s %r: %s", hello.role, hello.name, reject.text)
             self._reply(ident, reject, limited=True)
             return
         now = time.monotonic()
@@ -408,7 +437,7 @@ class Server(Endpoint):
         if old is not None:  # after "joined": what the old session held is handed straight to this one
             self.counters["peers/taken_over"] += 1
             self._end(old, "left", f"taken over by a new session (incarnation {hello.incarnation})")
-            self._reply(old.id, Error(code=ErrorCode.NOT_WELCOME, text="session taken over by a newer "
+            self._reply(old.id, Error(code=ErrorCode.TAKEN_OVER, text="session taken over by a newer "
                                       f"connection under the name {hello.name!r}"))
 
     def _check_hello(self, hello: Hello, key: str, old: Peer | None) -> Reject | None:
@@ -478,7 +507,8 @@ class Server(Endpoint):
                 silent_s = now - peer.last_seen_s
                 if reap and silent_s > self.peer_timeout_s:
                     self._end(peer, "dead", f"no message for {silent_s:.3f} s (timeout {self.peer_timeout_s} s)")
-                    self._reply(peer.id, Error(code=ErrorCode.NOT_WELCOME, text="declared dead: missed heartbeats"))
+                    self._reply(peer.id, Error(code=ErrorCode.DECLARED_DEAD, text=f"declared dead: nothing arrived "
+                                               f"for {silent_s:.1f} s (timeout {self.peer_timeout_s:g} s)"))
                     continue
                 self._send_nowait(self._router, [peer.id, *beat])
                 if peer.consumed:

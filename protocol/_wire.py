@@ -55,7 +55,13 @@ class TransportError(Exception):
 
 
 class ConnectionLost(TransportError):
-    """The other side went away: missed heartbeats, Shutdown, forgot us (Error 405), or closed."""
+    """The other side went away: missed heartbeats, Shutdown, closed, or it ended our session with an Error:
+    405 (it does not know us), 409 (taken over: exit, a successor holds the name) or 410 (declared dead).
+    code: that Error's code, else 0."""
+
+    def __init__(self, reason: str, code: int = 0):
+        super().__init__(reason)
+        self.code = code
 
 
 class Rejected(TransportError):

@@ -9,7 +9,9 @@ INLINE_MAX_BYTES, else the index (>= 2) of its frame. `peek_header` dispatches o
 the body. Decoding is strict and bounded: msgspec decodes the body against the message's schema
 (protocol/schema.py), checking every length before it allocates and every bound; tensor descriptors are
 then checked against their field and turned into tensors. Anything wrong raises ProtocolError naming the
-message kind and field. Never pickle, never generated code.
+message kind and field. Never pickle, never generated code. Hello and Reject keep their framing in every
+protocol version: `decode_any_version` and `encode_reject` let a peer of one version tell one of another
+why it is refused (SPEC.md, "Versions").
 Test: pytest tests/protocol/test_codec.py; speed: python tools/bench.py protocol
 """
 
@@ -28,11 +30,11 @@ import msgspec
 
 from tailrace.protocol import messages  # noqa: F401  (registers every message class)
 from tailrace.protocol._forms import Form, Invalid, Spec, form_of
-from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode
+from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode, Hello, HelloPrefix, Reject
 from tailrace.protocol.schema import DTYPES, MAX_NDIM, MAX_SPAN, MESSAGE_CLASSES, ProtocolError, explain
 
-__all__ = ["DTYPES", "HEADER_BYTES", "INLINE_MAX_BYTES", "Limits", "ProtocolError", "decode", "encode",
-           "peek_header"]
+__all__ = ["DTYPES", "HEADER_BYTES", "INLINE_MAX_BYTES", "Limits", "ProtocolError", "decode", "decode_any_version",
+           "encode", "encode_reject", "peek_header"]
 
 MAGIC = b"TR"
 HEADER_BYTES = 4
@@ -397,3 +399,38 @@ def decode(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
         raise ProtocolError(f"{kind}: {num_frames - 2} tensor frames but {len(ctx.used)} referenced",
                             code=ErrorCode.BAD_FRAME, kind=kind)
     return msg
+
+
+# ---------------------------------------------------------------------------------------- other versions
+
+_ANY_VERSION = {Hello.KIND: msgspec.msgpack.Decoder(HelloPrefix), Reject.KIND: msgspec.msgpack.Decoder(Reject)}
+
+
+def encode_reject(reject: Reject, version: int) -> list[bytes]:
+    """Frames of a Reject under protocol version `version`'s header: the answer to a Hello of that version,
+    which the peer can read whatever its version (a Reject's framing never changes)."""
+    if not 0 <= version <= 255:
+        raise ValueError(f"version must be a byte, got {version}")
+    return [MAGIC + bytes((version, Reject.KIND)), encode(reject)[1]]
+
+
+def decode_any_version(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[int, Any]:
+    """(protocol version, message) of a Hello or Reject under any version's header, read by the framing
+    every version shares: a Reject whole, a Hello as its HelloPrefix (later fields ignored). ProtocolError
+    for any other message, or a body that does not fit."""
+    if len(frames) != 2:
+        raise ProtocolError(f"message has {len(frames)} frames; a Hello or Reject has 2", code=ErrorCode.BAD_FRAME)
+    version, kind = peek_header(frames[0])
+    decoder = _ANY_VERSION.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"kind {kind} of protocol version {version} is not a Hello or Reject",
+                            code=ErrorCode.VERSION_MISMATCH)
+    name = decoder.type.__name__
+    if _nbytes(frames[1]) > limits.max_body_bytes:
+        raise ProtocolError(f"{name}: body over the limit {limits.max_body_bytes}", code=ErrorCode.TOO_LARGE,
+                            kind=name)
+    try:
+        return version, decoder.decode(_buffer_of(frames[1]))
+    except Exception as exc:  # ValidationError, DecodeError, RecursionError: all mean a body that does not fit
+        raise ProtocolError(f"{name} of protocol version {version}: {exc}", code=ErrorCode.BAD_FIELD,
+                            kind=name) from None

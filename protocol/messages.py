@@ -25,9 +25,10 @@ from tailrace.protocol.schema import (
     struct,
 )
 
-PROTOCOL_VERSION = 2
-"""Version of the wire layout (frames and field order). Unrelated to the policy version of weights.
-2: WorkItem.eval and Rollout.eval appended (evaluation work, never trained)."""
+PROTOCOL_VERSION = 3
+"""Version of the wire protocol: the layout (frames, kinds, fields in order, bounds) and the meaning of its
+codes. Any change to either makes a new version, with an entry in protocol/SPEC.md's changelog ("Versions")
+and its layout recorded in tests/protocol/layouts/. Unrelated to the policy version of weights."""
 
 ROLES = ("trainer", "generator", "reward", "tool")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -50,17 +51,20 @@ IntTokens = Annotated[Array, TensorSpec(dtypes=("int32", "int64"), ndim=1, max_l
 
 
 class ErrorCode:
-    """Codes carried by Error, Reject and ScoreError. 4xx: the peer sent something wrong; 5xx: ours."""
+    """Codes carried by Error, Reject and ScoreError. 4xx: the peer sent something wrong; 5xx: ours.
+    Which ones to retry: protocol/SPEC.md, "Error codes"."""
 
     BAD_FRAME = 400         # header or frame layout is wrong
     BAD_FIELD = 401         # a field has the wrong type or is out of bounds
     UNKNOWN_KIND = 402      # message kind not in this protocol version
     VERSION_MISMATCH = 403  # protocol version not supported
     TOO_LARGE = 404         # frame or message over the size limit
-    NOT_WELCOME = 405       # message before a successful handshake
+    NOT_WELCOME = 405       # no session: a message before a successful handshake, or after the session ended
     NO_CREDIT = 406         # sent beyond the credits granted; message dropped
     UNSUPPORTED = 407       # valid message this endpoint does not serve
     UNAUTHORIZED = 408      # role or name not allowed
+    TAKEN_OVER = 409        # a newer Hello under this name took the session over: exit, never say Hello again
+    DECLARED_DEAD = 410     # the trainer heard nothing for peer_timeout_s and ended the session
     TIMEOUT = 504           # a request timed out (e.g. a reward function)
     INTERNAL = 500          # the handler failed; the endpoint keeps serving
 
@@ -120,8 +124,10 @@ class Hello(WireStruct):
     peer accepts at once. capabilities: free-form scalars (backend, vocab_size, max_model_len, ...).
     incarnation: larger for each new process under this name (our Client: wall-clock microseconds at
     start); a Hello whose name is connected takes that session over when incarnation >= the live one's.
+    Its first four fields (role, name, protocol_version, package_version) are the same in every protocol
+    version (HelloPrefix), so that a trainer can name a peer of any version that it refuses.
 
-    Example: Hello(role="reward", name="math-grader", protocol_version=2, package_version="0.1.0",
+    Example: Hello(role="reward", name="math-grader", protocol_version=3, package_version="0.1.0",
     tasks=["math"], max_inflight=16, capabilities={"language": "go"})
     """
 
@@ -157,13 +163,31 @@ class Welcome(WireStruct):
 
 @message(3)
 class Reject(WireStruct):
-    """The trainer refuses a Hello (wrong protocol version, duplicate name, ...). The peer should exit.
+    """The trainer refuses a Hello. code 403: the protocol version is not the trainer's (exit: retrying
+    cannot help); 408: not allowed now (name held by a live session, trainer full, role or key refused) and
+    500: the trainer's admission check failed (retry both after a growing pause). The same two fields in
+    every protocol version, and sent in the Hello's own version (its header's version byte), so that a
+    peer of any version can read why it was refused.
 
-    Example: Reject(code=403, text="protocol version 3 not supported; this trainer speaks 2")
+    Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 3")
     """
 
     code: Code
     text: LongText
+
+
+class HelloPrefix(WireStruct, forbid_unknown_fields=False):
+    """Not a message: the first four fields of a Hello, which every protocol version shares (SPEC.md,
+    "Versions"). A trainer reads a Hello of another version with it, ignoring the fields after them, to
+    say whom it refuses. role is any short text here: another version may have other roles.
+
+    Example: HelloPrefix(role="reward", name="grader-1", protocol_version=1, package_version="0.1.0")
+    """
+
+    role: Name
+    name: Name
+    protocol_version: Code
+    package_version: Annotated[str, Meta(max_length=64)]
 
 
 # ---------------------------------------------------------------------------------------- work
@@ -351,7 +375,9 @@ class WeightsChunk(WireStruct):
 class Stats(WireStruct):
     """A snapshot of one process, sent every few seconds and republished to tools on the notice socket.
 
-    state: one of STATES. counters: metric name (role/group/name) -> value. wall_s: Unix epoch seconds.
+    state: one of STATES. counters: metric name (role/group/name) -> value, each the sender's value now,
+    never a difference from its last Stats: counts are totals since the process started, the rest are
+    levels, rates or means (SPEC.md, "Stats and Spans"). wall_s: Unix epoch seconds.
 
     Example: Stats(role="generator", name="gen-0", state="generating", policy_version=4,
     counters={"generator/queue/running": 12, "generator/throughput/tokens_per_s": 950.0},
@@ -385,7 +411,7 @@ class Event(WireStruct):
 @struct
 class Span(WireStruct):
     """One interval of a process's time on one of its tracks (a track never holds two spans at once).
-    state: what it did, e.g. "decode", "prefill", "wait_data", "scoring" (see SPEC.md, Spans).
+    state: what it did, e.g. "decode", "prefill", "wait_data", "scoring" (see SPEC.md, "Stats and Spans").
     start_wall_s: Unix epoch seconds (wall clock: spans of several processes share one time axis).
     value: a number that goes with the state (decode: the running batch), 0 when none.
 
@@ -443,8 +469,9 @@ class Shutdown(WireStruct):
 
 @message(62)
 class Error(WireStruct):
-    """The receiver could not handle a message. code: see ErrorCode. ref_kind: kind of the offending
-    message (0 when unknown).
+    """The receiver could not handle a message, or (codes 405, 409, 410, from the trainer) no longer has a
+    session with the sender. code: see ErrorCode. ref_kind: kind of the offending message (0 when unknown
+    or none).
 
     Example: Error(code=401, text="Rollout.sample_id: expected int, got str", ref_kind=20)
     """

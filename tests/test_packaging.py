@@ -105,7 +105,7 @@ from tailrace.protocol.codec import decode, encode
 from tailrace.protocol.messages import Score, ScoreRequest, Heartbeat, Hello, Work, WorkItem
 msgs = [ScoreRequest(request_id=1, task="t", prompt="p", completion="c", metadata={"a": 1}),
         Score(request_id=1, reward=0.5), Heartbeat(seq=1), Work(items=[WorkItem(group_id=1, prompt_token_ids=[1],
-        num_samples=2)]), Hello(role="reward", name="r", protocol_version=2, package_version="0")]
+        num_samples=2)]), Hello(role="reward", name="r", protocol_version=3, package_version="0")]
 for m in msgs:
     assert decode(encode(m)) == m
 loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "tailrace", "tools", "numpy"))

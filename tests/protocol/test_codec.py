@@ -216,6 +216,10 @@ def test_decoded_small_tensors_are_writable_copies():
 # ---------------------------------------------------------------------------------------- strict decoding
 
 
+TR = b"TR" + bytes((PROTOCOL_VERSION,))  # a header of this version, less its kind byte
+NEWER = b"TR" + bytes((PROTOCOL_VERSION + 1,))
+
+
 def header(cls, version=PROTOCOL_VERSION) -> bytes:
     return b"TR" + bytes((version, cls.KIND))
 
@@ -300,23 +304,23 @@ def test_error_carries_the_field_path():
 
 
 @pytest.mark.parametrize("frames, code, where", [
-    ([b"TR\x02"], ErrorCode.BAD_FRAME, "message has 1 frames"),
-    ([b"TR\x02", b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
-    ([b"TR\x02\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([TR], ErrorCode.BAD_FRAME, "message has 1 frames"),
+    ([TR, b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([TR + b"\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
     ([b"", b"\x91\x01"], ErrorCode.BAD_FRAME, "header"),
     ([b"XX\x02\x3c", b"\x91\x01"], ErrorCode.BAD_FRAME, "starting with b'TR'"),
-    ([b"TR\x03\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 3"),
+    ([NEWER + b"\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, f"protocol version {PROTOCOL_VERSION + 1}"),
     ([b"TR\x00\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 0"),
-    ([b"TR\x02\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
-    ([b"TR\x02\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
-    ([b"TR\x02\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
-    ([b"TR\x02\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
-    ([b"TR\x02\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
-    ([b"TR\x02\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
+    ([TR + b"\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
+    ([TR + b"\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
+    ([TR + b"\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TR + b"\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TR + b"\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TR + b"\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TR + b"\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
+    ([TR + b"\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
+    ([TR + b"\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
+    ([TR + b"\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_frames(frames, code, where):
     expect(frames, code, where)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wire_examples import assert_same, examples, rollout
 
 from tailrace.protocol.codec import ProtocolError, decode, encode
-from tailrace.protocol.messages import Rollout
+from tailrace.protocol.messages import PROTOCOL_VERSION, Rollout
 from tailrace.protocol.schema import (
     INT64_MAX,
     INT64_MIN,
@@ -171,7 +171,7 @@ wire_values = st.recursive(
 @FUZZ
 @given(st.sampled_from(sorted(MESSAGE_CLASSES)), wire_values, st.lists(st.binary(max_size=64), max_size=3))
 def test_random_bodies_raise_only_protocol_error(kind, body, extra):
-    header = b"TR\x02" + bytes((kind,))
+    header = b"TR" + bytes((PROTOCOL_VERSION, kind))
     decode_or_protocol_error([header, msgpack.packb(body), *extra])
 
 
@@ -204,7 +204,7 @@ def test_random_field_values_raise_only_protocol_error(frames):
 @given(st.lists(st.binary(max_size=40), max_size=5))
 def test_random_frames_raise_only_protocol_error(frames):
     decode_or_protocol_error(frames)
-    decode_or_protocol_error([b"TR\x02\x14", *frames])
+    decode_or_protocol_error([b"TR" + bytes((PROTOCOL_VERSION, 20)), *frames])
 
 
 def test_numpy_and_torch_inputs_decode_alike():

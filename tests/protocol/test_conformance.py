@@ -1,7 +1,9 @@
 """Conformance: a reward server written here from protocol/SPEC.md alone — pyzmq, msgpack and the standard
 library, nothing from protocol/ or engine/ — joins our trainer side (transport.Server + reward.RewardRouter)
 over tcp and is served and answered correctly: handshake, heartbeats both ways, credits, replies out of
-order, score errors, Shutdown. Run: pytest tests/protocol/test_conformance.py
+order, score errors, Shutdown; a restarted one takes its session over and the old one is told to exit
+(Error 409); one written from version 2 of SPEC.md is refused with a Reject it reads.
+Run: pytest tests/protocol/test_conformance.py
 """
 
 import ast
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 # ------------------------------------------------------------- the reward server, from SPEC.md only
 
-HEADER = b"TR\x02"  # Frames: "TR", protocol version 2, then the kind byte
+VERSION = 3  # Frames: "TR", the protocol version, then the kind byte
 KINDS = {"Hello": 1, "Welcome": 2, "Reject": 3, "ScoreRequest": 30, "Score": 31, "ScoreError": 32,
          "Heartbeat": 60, "Shutdown": 61, "Error": 62, "Credit": 63}
 
@@ -31,9 +33,14 @@ class SpecRewardServer(threading.Thread):
     completion's length as a detail; metadata["explode"] makes it answer ScoreError 500. It holds up to
     max_inflight requests and answers them newest first, to check that replies are matched by id."""
 
-    def __init__(self, address, name="spec-grader", tasks=("copy",), max_inflight=3):
+    def __init__(self, address, name="spec-grader", tasks=("copy",), max_inflight=3, version=VERSION,
+                 incarnation=None):
         super().__init__(daemon=True, name=name)
         self.address, self.name, self.tasks, self.max_inflight = address, name, list(tasks), max_inflight
+        self.header = b"TR" + bytes([version])
+        self.version, self.incarnation = version, incarnation
+        self.rejected = None  # [code, text] of a Reject
+        self.ended = None  # [code, text, ref_kind] of the Error that ended the session
         self.stop = threading.Event()
         self.welcomed = threading.Event()
         self.heard_heartbeats = threading.Event()  # 5 heartbeats from the trainer
@@ -59,22 +66,26 @@ class SpecRewardServer(threading.Thread):
             sock.close()
             ctx.term()
 
-    @staticmethod
-    def send(sock, kind, fields):
-        sock.send_multipart([HEADER + bytes([KINDS[kind]]), msgpack.packb(fields, use_bin_type=True)])
+    def send(self, sock, kind, fields):
+        sock.send_multipart([self.header + bytes([KINDS[kind]]), msgpack.packb(fields, use_bin_type=True)])
 
-    @staticmethod
-    def receive(sock):
+    def receive(self, sock):
         frames = sock.recv_multipart()
-        if len(frames) != 2 or len(frames[0]) != 4 or frames[0][:3] != HEADER:
-            raise AssertionError(f"not a version 2 message without tensors: {frames!r}")
+        if len(frames) != 2 or len(frames[0]) != 4 or frames[0][:3] != self.header:
+            raise AssertionError(f"not a version {self.version} message without tensors: {frames!r}")
         return frames[0][3], msgpack.unpackb(frames[1], raw=False)
 
     def serve(self, sock):
-        self.send(sock, "Hello", ["reward", self.name, 2, "spec-1.0", self.tasks, self.max_inflight])
+        hello = ["reward", self.name, self.version, "spec-1.0", self.tasks, self.max_inflight]
+        if self.incarnation is not None:
+            hello += [{}, self.incarnation]
+        self.send(sock, "Hello", hello)
         if not sock.poll(5000):
             raise AssertionError("no answer to Hello")
         kind, body = self.receive(sock)
+        if kind == KINDS["Reject"]:
+            self.rejected = body
+            return
         if kind != KINDS["Welcome"]:
             raise AssertionError(f"Hello answered with kind {kind}: {body}")
         self.welcome = body
@@ -120,6 +131,9 @@ class SpecRewardServer(threading.Thread):
             elif kind == KINDS["Shutdown"]:
                 self.shutdown_reason = body[0] if body else ""
                 return
+            elif kind == KINDS["Error"] and body[0] in (405, 409, 410):  # the session is over
+                self.ended = body
+                return
             elif kind == KINDS["Error"]:
                 self.errors.append(body)
 
@@ -136,7 +150,7 @@ class SpecRewardServer(threading.Thread):
 
 def test_spec_reward_server_uses_nothing_of_ours():
     """Every global name SpecRewardServer uses comes from pyzmq, msgpack or the standard library."""
-    allowed = {"zmq", "msgpack", "threading", "collections", "time", "os", "HEADER", "KINDS"}
+    allowed = {"zmq", "msgpack", "threading", "collections", "time", "os", "VERSION", "KINDS"}
     tree = ast.parse(inspect.getsource(SpecRewardServer))
     local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     local |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args}
@@ -195,3 +209,42 @@ async def test_spec_reward_server_is_served_and_answered():
     assert not spec.is_alive()
     assert spec.failure is None
     assert spec.shutdown_reason == "conformance done"
+
+
+async def test_a_restarted_spec_reward_server_takes_its_session_over():
+    """Under the same name with a larger incarnation, the new process is welcomed at once; the old one is
+    told Error 409 (taken over) and stops, as SPEC.md says it must."""
+    from tailrace.protocol.transport import Server
+
+    async with Server("tcp://127.0.0.1:0", run_id="conformance", heartbeat_interval_s=0.05,
+                      missed_heartbeats=40) as server:
+        old = SpecRewardServer(server.address, incarnation=1)
+        new = SpecRewardServer(server.address, incarnation=2)
+        try:
+            old.start()
+            await wait_for(old.welcomed, "the first Welcome")
+            new.start()
+            await wait_for(new.welcomed, "the second Welcome")
+            await asyncio.to_thread(old.join, 5.0)
+            assert not old.is_alive() and old.failure is None
+            assert old.ended is not None and old.ended[0] == 409 and "taken over" in old.ended[1]
+            (peer,) = server.peers.values()
+            assert peer.hello.incarnation == 2
+        finally:
+            old.stop.set()
+            new.stop.set()
+            await asyncio.to_thread(new.join, 5.0)
+
+
+async def test_a_reward_server_of_version_2_reads_why_it_is_refused():
+    """Written from version 2 of SPEC.md (header byte 2, `protocol_version` 2): its Hello is answered with a
+    Reject in version 2's framing, which it decodes, instead of frames it cannot read."""
+    from tailrace.protocol.transport import Server
+
+    async with Server("tcp://127.0.0.1:0", run_id="conformance") as server:
+        old = SpecRewardServer(server.address, version=2)
+        old.start()
+        await asyncio.to_thread(old.join, 5.0)
+        assert not old.is_alive() and old.failure is None
+        assert old.rejected == [403, f"protocol version 2 not supported; this trainer speaks {VERSION}"]
+        assert not server.peers

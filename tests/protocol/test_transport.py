@@ -19,6 +19,7 @@ import zmq.asyncio
 from tailrace.protocol import codec
 from tailrace.protocol.codec import Limits
 from tailrace.protocol.messages import (
+    PROTOCOL_VERSION,
     Error,
     ErrorCode,
     Event,
@@ -44,6 +45,7 @@ from tailrace.protocol.transport import (
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
+TR = b"TR" + bytes((PROTOCOL_VERSION,))  # a header of this version, less its kind byte
 WAIT_S = 5.0  # upper bound for anything that should happen "soon"; tests fail fast instead of hanging
 
 
@@ -93,7 +95,8 @@ class RawPeer:
                 before.append(msg)
 
     async def hello(self, name: str) -> Welcome:
-        await self.send_msg(Hello(role="generator", name=name, protocol_version=2, package_version="test"))
+        await self.send_msg(Hello(role="generator", name=name, protocol_version=PROTOCOL_VERSION,
+                                  package_version="test"))
         welcome, _ = await self.recv_until(Welcome)
         return welcome
 
@@ -259,22 +262,29 @@ async def test_bad_input_answered_with_errors_and_server_keeps_serving(ctx, addr
         cases = [  # (frames, expected reply kind, code, ref_kind)
             ([b""], Error, ErrorCode.BAD_FRAME, 0),  # empty message
             (heartbeat[:1], Error, ErrorCode.BAD_FRAME, 60),  # truncated: header only
-            ([b"TR\x02", heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # truncated header
+            ([TR, heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # truncated header
             ([b"XX\x02\x3c", heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # not our magic
-            ([b"TR\x03\x3c", heartbeat[1]], Error, ErrorCode.VERSION_MISMATCH, 60),
-            ([b"TR\x02\xc8", heartbeat[1]], Error, ErrorCode.UNKNOWN_KIND, 200),
+            ([b"TR" + bytes((PROTOCOL_VERSION + 1, 60)), heartbeat[1]], Error, ErrorCode.VERSION_MISMATCH, 60),
+            ([TR + b"\xc8", heartbeat[1]], Error, ErrorCode.UNKNOWN_KIND, 200),
             ([heartbeat[0], b"\xc1\xff"], Error, ErrorCode.BAD_FIELD, 60),  # not MessagePack
             ([heartbeat[0], heartbeat[1], b"extra"], Error, ErrorCode.BAD_FRAME, 60),
             ([heartbeat[0], b"\x00" * 5000], Error, ErrorCode.TOO_LARGE, 60),  # over max_body_bytes
             (heartbeat, Error, ErrorCode.NOT_WELCOME, 60),  # valid, but before Hello
-            ([b"TR\x03\x01", b"\x90"], Reject, ErrorCode.VERSION_MISMATCH, 0),  # Hello of another version
-            (codec.encode(Hello(role="generator", name="v3", protocol_version=3, package_version="9")),
-             Reject, ErrorCode.VERSION_MISMATCH, 0),
+            # a Hello of another version, unreadable or not: Reject, in the header's version
+            ([b"TR" + bytes((PROTOCOL_VERSION + 1, 1)), b"\x90"], Reject, ErrorCode.VERSION_MISMATCH, 0),
+            ([b"TR" + bytes((1, 1)), b"\x90"], Reject, ErrorCode.VERSION_MISMATCH, 0),
+            (codec.encode(Hello(role="generator", name="next", protocol_version=PROTOCOL_VERSION + 1,
+                                package_version="9")), Reject, ErrorCode.VERSION_MISMATCH, 0),
         ]
         for frames, kind, code, ref_kind in cases:
             raw = RawPeer(ctx, server.address)
             await raw.send(*frames)
-            reply = await raw.recv_msg()
+            answer = await asyncio.wait_for(raw.sock.recv_multipart(), WAIT_S)
+            if kind is Reject:  # framed in the version of the Hello's header (SPEC.md, "Versions")
+                version, reply = codec.decode_any_version(answer)
+                assert version == frames[0][2], answer
+            else:
+                reply = codec.decode(answer)
             assert type(reply) is kind and reply.code == code, (frames, reply)
             if kind is Error:
                 assert reply.ref_kind == ref_kind, reply
@@ -295,9 +305,10 @@ async def test_bad_input_answered_with_errors_and_server_keeps_serving(ctx, addr
         for _ in range(200):
             frames = [rng.randbytes(rng.choice([0, 1, 3, 4, 5, 40])) for _ in range(rng.randint(1, 4))]
             if rng.random() < 0.5:
-                frames[0] = b"TR\x02" + bytes([rng.choice([1, 20, 30, 42, 60, 63, 99])])
+                frames[0] = TR + bytes([rng.choice([1, 20, 30, 42, 60, 63, 99])])
             await junk.send(*frames)
-        await junk.send_msg(Hello(role="tool", name="after-junk", protocol_version=2, package_version="t"))
+        await junk.send_msg(Hello(role="tool", name="after-junk", protocol_version=PROTOCOL_VERSION,
+                                  package_version="t"))
         _, before = await junk.recv_until(Welcome)
         assert before and all(isinstance(m, Error) for m in before)
         assert len(before) <= 20  # error replies are rate-limited per peer
@@ -318,7 +329,7 @@ async def test_oversized_frame_disconnects_sender_without_reply(ctx):
     limits = Limits(max_frame_bytes=64 << 10)
     async with Server("tcp://127.0.0.1:0", run_id="r", limits=limits, context=ctx) as server:
         raw = RawPeer(ctx, server.address)
-        await raw.send(b"TR\x02\x3c", b"\x00" * (128 << 10))  # ZeroMQ (MAXMSGSIZE) drops the connection
+        await raw.send(TR + b"\x3c", b"\x00" * (128 << 10))  # ZeroMQ (MAXMSGSIZE) drops the connection
         heartbeat = codec.encode(Heartbeat(seq=1))
         reply = None
         while reply is None:  # the DEALER reconnects; the first reply must answer the Heartbeat
@@ -342,7 +353,7 @@ import sys, zmq
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect(sys.argv[1])
 for _ in range(3):  # one at a time: ZeroMQ would otherwise buffer the next while the last waits
-    sock.send_multipart([b"TR\\x02\\x01", b"\\x00" * (50 << 20)], copy=False)
+    sock.send_multipart([bytes.fromhex(sys.argv[2]), b"\\x00" * (50 << 20)], copy=False)  # a Hello's header
     print(sock.recv_multipart()[0].hex() if sock.poll(20000) else "none", flush=True)
 """
 
@@ -356,7 +367,7 @@ async def test_large_message_before_hello_is_dropped_uncopied(ctx):
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # peak RSS := current RSS
         before_mb = _rss_mb("VmRSS")
-        child = await asyncio.create_subprocess_exec(sys.executable, "-c", SEND_BEFORE_HELLO, server.address,
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", SEND_BEFORE_HELLO, server.address, (TR + b"\x01").hex(),
                                                      stdout=asyncio.subprocess.PIPE)
         out, _ = await asyncio.wait_for(child.communicate(), 25)
         assert child.returncode == 0 and "none" not in out.decode() and len(out.split()) == 3, out
@@ -377,7 +388,8 @@ async def test_flood_without_credit_is_dropped_and_bounded(ctx, address):
                 await flood.send_msg(stats(i))
             await polite.send_many(stats(1000 + i) for i in range(4))
             # a new Hello ends the session: every reply before its Welcome answers the flood
-            await flood.send_msg(Hello(role="generator", name="flood-2", protocol_version=2, package_version="t"))
+            await flood.send_msg(Hello(role="generator", name="flood-2", protocol_version=PROTOCOL_VERSION,
+                                       package_version="t"))
             _, before = await flood.recv_until(Welcome)
             assert 1 <= len(before) <= 20 and all(m.code == ErrorCode.NO_CREDIT for m in before)
             assert server.counters["dropped/no_credit"] == 496
@@ -411,9 +423,12 @@ async def test_silent_peer_declared_dead_within_timeout(ctx, address):
             assert elapsed_s <= interval_s * (missed + 1) + 0.3  # + scheduling slack on a busy machine
             assert "missed" in dead.reason or "no message" in dead.reason
             assert [p.name for p in server.peers.values()] == ["alive"]  # its heartbeats kept it
-            # the dead peer learns it: NOT_WELCOME, also for anything it sends later
+            # the dead peer learns it (DECLARED_DEAD), and anything it sends later finds no session (NOT_WELCOME)
             error, _ = await silent.recv_until(Error)
-            assert error.code == ErrorCode.NOT_WELCOME
+            assert error.code == ErrorCode.DECLARED_DEAD and "declared dead" in error.text
+            await silent.send_msg(Heartbeat(seq=1))
+            error, _ = await silent.recv_until(Error)
+            assert (error.code, error.ref_kind) == (ErrorCode.NOT_WELCOME, Heartbeat.KIND)
             silent.close()
 
 
@@ -460,7 +475,8 @@ async def test_curve_client_without_server_key_cannot_exchange_messages(ctx):
             with pytest.raises(ConnectTimeout):
                 await client.connect(timeout_s=0.5)
         raw = RawPeer(ctx, server.address)  # plaintext ZMTP: never reaches the decoder either
-        await raw.send_msg(Hello(role="generator", name="raw", protocol_version=2, package_version="t"))
+        await raw.send_msg(Hello(role="generator", name="raw", protocol_version=PROTOCOL_VERSION,
+                                 package_version="t"))
         with pytest.raises(TimeoutError):
             await raw.recv_msg(timeout_s=0.3)
         raw.close()

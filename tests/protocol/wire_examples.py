@@ -1,7 +1,8 @@
-"""Example instances of every wire message and a structural equality for messages holding tensors.
+"""Example instances of every wire message, a structural equality for messages holding tensors, and frames
+that peers of older protocol versions really sent.
 
-Shared by the codec tests (tests/protocol/test_codec*.py). A new message kind without an entry in
-`examples()` fails test_codec.py::test_every_kind_has_an_example.
+Shared by the protocol tests (test_codec*.py, test_versions.py, test_sessions.py). A new message kind
+without an entry in `examples()` fails test_codec.py::test_every_kind_has_an_example.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ from tailrace.protocol.messages import (
     WorkRequest,
 )
 
+# The Hello of a version-1 reward server (encoded by the codec of commit 9e1c489, the first with a transport),
+# and that of the version-2 reward server of SPEC.md version 2 ("Reward servers", as of commit ff36a35).
+V1_HELLO = [bytes.fromhex("54 52 01 01"), bytes.fromhex(
+    "97 a6 72 65 77 61 72 64 a8 67 72 61 64 65 72 2d 31 01 a5 30 2e 31 2e 30 91 a4 6d 61 74 68 04 80")]
+V2_HELLO = [bytes.fromhex("54 52 02 01"), bytes.fromhex(
+    "97 a6 72 65 77 61 72 64 a8 67 72 61 64 65 72 2d 31 02 a3 31 2e 30 91 a4 6d 61 74 68 04 80")]
+# Reject(code=403, text="protocol version 1 not supported; this trainer speaks 3") as version 1's codec
+# encoded it: frames a version-1 peer reads.
+V1_REJECT = [bytes.fromhex("54 52 01 03"), bytes.fromhex("92 cd 01 93 d9 37") +
+             b"protocol version 1 not supported; this trainer speaks 3"]
+
 
 def rollout(num_prompt: int = 3, num_completion: int = 5, dtype: torch.dtype = torch.int32) -> Rollout:
     g = torch.Generator().manual_seed(num_prompt * 1000 + num_completion)
@@ -56,12 +68,12 @@ def examples() -> list[tuple[object, int]]:
     """(message, exact number of frames it encodes to) — every kind at least once."""
     big = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)  # 128 KiB: its own frame
     return [
-        (Hello(role="reward", name="math-grader", protocol_version=2, package_version="0.1.0",
+        (Hello(role="reward", name="math-grader", protocol_version=3, package_version="0.1.0",
                tasks=["math"], max_inflight=16, capabilities={"language": "go", "gpus": 0, "fast": True,
                                                              "ratio": 0.5, "none": None}), 2),
         (Welcome(run_id="r-20261129-1", policy_version=4, credits=64, heartbeat_interval_s=1.0,
                  peer_timeout_s=5.0, notice_endpoint="tcp://127.0.0.1:5556", max_message_bytes=1 << 28), 2),
-        (Reject(code=403, text="protocol version 3 not supported; this trainer speaks 2"), 2),
+        (Reject(code=403, text="protocol version 2 not supported; this trainer speaks 3"), 2),
         (WorkRequest(capacity=16, policy_version=3), 2),
         (Work(items=[WorkItem(group_id=1, prompt_token_ids=[1, 2], num_samples=4),
                      WorkItem(group_id=2, prompt_token_ids=list(range(300)), num_samples=8, first_sample_id=8,
