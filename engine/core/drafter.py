@@ -13,7 +13,7 @@ the backend's SlotKVCache (one extra layer), so they follow every layout change 
 
 Saved as a folder (drafter.safetensors + drafter.json with its config and version); shared between
 generators as a plain name -> tensor dict plus a version (the protocol's "drafter" weights).
-Test: pytest tests/engine/test_drafter.py
+Test: pytest tests/engine/generator/speculation/test_drafter.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailrace.engine.weights import check_same_layout
+from tailrace.engine.core.weights import check_same_layout
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter.json"

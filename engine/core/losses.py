@@ -6,7 +6,7 @@
     add_stats       sums statistics of micro-batches (and ranks) by name
 
 The objectives themselves live with their users: GRPO's PPO-clip StepLoss in engine/trainer/loss.py,
-DPO's DPOLoss in engine/replay/dpo.py. Test: pytest tests/engine/test_loss.py
+DPO's DPOLoss in engine/replay/dpo_loss.py. Test: pytest tests/engine/trainer/test_loss.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from tailrace.engine.samples import TrainSample
+from tailrace.engine.core.samples import TrainSample
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 what tools/plot.py reads), "tensorboard" (runs/<name>/tensorboard; pip install tailrace[tensorboard]) and
 "wandb" (pip install tailrace[wandb]; WANDB_MODE=offline keeps the run in runs/<name>/wandb). TensorBoard and
 W&B get the resolved run config too. Metric keys are `role/group/name` (e.g. `trainer/loss/pg`).
-Test: pytest tests/engine/test_metrics.py
+Test: pytest tests/engine/core/test_metrics.py
 """
 
 from __future__ import annotations

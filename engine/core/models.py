@@ -3,7 +3,7 @@
 `load_model("tiny")` loads the tiny model shipped under examples/tiny/, "tiny_longtail" the 12-layer one
 under examples/tiny_longtail/ (both built by tools/make_tiny_model.py); any other name is a checkpoint folder (or, where the Hub is reachable, a
 Hub id). Only architectures the torch backend and branch-replay are tested on are accepted.
-Test: pytest tests/engine/test_backend.py
+Test: pytest tests/engine/generator/torch_backend/test_backend.py
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def check_model_path(path: str) -> None:
     """ValueError naming model.path unless it is "" / "tiny" / "tiny_longtail" (the shipped models), a folder
     with a config.json, or a Hub id (owner/name) that is not a local path."""
-    from tailrace.engine.models import SHIPPED_MODELS, resolve_model_path
+    from tailrace.engine.core.models import SHIPPED_MODELS, resolve_model_path
 
     if path == "" or path in SHIPPED_MODELS:
         resolve_model_path(path or "tiny")

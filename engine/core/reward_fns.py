@@ -8,7 +8,7 @@ message: the reward server answers ScoreError and the trainer discards the sampl
 
 `tailrace reward --config FILE` (and `tailrace run`, which starts it) serves them. Sync functions run
 one after another in the SDK's thread; with an async one among them all run concurrently, sync ones in
-threads. Test: pytest tests/engine/test_reward_fns.py
+threads. Test: pytest tests/engine/core/test_reward_fns.py
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def load_function(spec: str, setting: str = "--fn") -> Callable[..., Any]:
     """The callable `module:function`, imported with the working directory on sys.path."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{setting} {spec!r}: expected module:function, e.g. tailrace.engine.tasks:score")
+        raise ValueError(f"{setting} {spec!r}: expected module:function, e.g. tailrace.engine.data.tasks:score")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # user modules next to where they run the command
     try:

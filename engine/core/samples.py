@@ -1,10 +1,10 @@
 """Training data as the trainer sees it: prompts as a prompt source yields them (`PromptRecord`), and one
 scored sample per completion, grouped by prompt (GRPO groups).
 
-Shared from below by engine/data.py, the trainer and branch-replay. A `TrainSample` holds tensors on the
+Shared from below by engine/data/prompt_sources.py, the trainer and branch-replay. A `TrainSample` holds tensors on the
 CPU; the learner moves what it needs to its device. Building these from decoded protocol `Rollout`
 messages is the trainer service's job (engine/trainer/service.py).
-Tested through tests/engine/test_learner.py, tests/engine/test_replay.py and tests/engine/test_controller.py.
+Tested through tests/engine/trainer/test_learner.py, tests/engine/replay/test_replay.py and tests/engine/trainer/test_controller.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The trainer publishes a CPU snapshot per version (so later optimizer steps canno
 version), split into chunks of about `chunk_bytes`; generators fetch chunk by chunk after a
 WeightsNotice and swap the full set in between decode steps. The store keeps the last `keep` versions
 of each model so a slow fetch can finish while the next version is published.
-Test: pytest tests/engine/test_weights.py
+Test: pytest tests/engine/core/test_weights.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The turns are the `data.prompt_field` value when it is a list, else the row's `m
 `messages` list that ends with an assistant turn is a prompt with its reference answer (an SFT row): the
 answer turn leaves the prompt and becomes the reward metadata's "answer" when the row has no answer
 field. `data.chat_template`: "auto" uses the tokenizer's template, "none" refuses conversational rows, a
-file path is a Jinja template that overrides the tokenizer's. Test: pytest tests/engine/test_chat_data.py
+file path is a Jinja template that overrides the tokenizer's. Test: pytest tests/engine/data/test_chat_data.py
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Preference pairs for `train.algorithm = "dpo"`: rows with a prompt, a chosen and a rejected completion.
 
-Rows come from the same readers as GRPO prompts (engine/data.py: JSONL, Parquet, `hf:NAME`); the prompt
+Rows come from the same readers as GRPO prompts (engine/data/prompt_sources.py: JSONL, Parquet, `hf:NAME`); the prompt
 is the `data.prompt_field` column, tokenized as the GRPO path tokenizes prompts (text as is, a list of
-turns through the chat template, engine/chat.py); `chosen` and `rejected` are text, tokenized without
+turns through the chat template, engine/data/chat.py); `chosen` and `rejected` are text, tokenized without
 special tokens, and end with the tokenizer's EOS, as a sampled completion that stopped would. A source has a position (rows consumed) that checkpoints store, so `--resume` continues
-at the same row; pairs too long for the model are skipped and counted. Test: pytest tests/engine/test_dpo.py
+at the same row; pairs too long for the model are skipped and counted. Test: pytest tests/engine/trainer/test_dpo.py
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tailrace.engine.chat import ChatTemplate, conversation
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data import file_rows
+from tailrace.engine.data.chat import ChatTemplate, conversation
+from tailrace.engine.data.prompt_sources import file_rows
 
 COMPLETION_FIELDS = ("chosen", "rejected")
 

@@ -7,7 +7,7 @@ epoch, cuts that order into windows of whole row groups holding at most WINDOW_R
 group is a window by itself), and shuffles the rows of each window together; only one window is in
 memory at a time. A file that fits in one window is shuffled exactly as a JSONL file of the same rows.
 Every order is a pure function of (seed, epoch, the file's row-group sizes), so a resumed run finds its
-position without reading what came before. Test: pytest tests/engine/test_parquet_rows.py
+position without reading what came before. Test: pytest tests/engine/data/test_parquet_rows.py
 """
 
 from __future__ import annotations

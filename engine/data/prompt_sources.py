@@ -1,14 +1,14 @@
 """Prompt sources for the trainer's controller: built-in synthetic tasks, JSONL and Parquet files, and
 Hugging Face `datasets` when installed (`hf:NAME[[:CONFIG]:SPLIT]`). Each row becomes a PromptRecord with
 token ids: a text prompt is tokenized as is, a conversational one (a list of turns) through the chat
-template (engine/chat.py). Parquet files are read a row group at a time (engine/parquet_rows.py).
+template (engine/data/chat.py). Parquet files are read a row group at a time (engine/data/parquet_rows.py).
 
 A source has a position (rows consumed so far, counted over all epochs) that checkpoints store, so
 `--resume` continues at the same prompt, also inside an epoch. File data is read data.epochs times, each
 epoch in file order or, with data.shuffle, in an order drawn from data.seed and the epoch number (so a
 resumed run sees the same order). Prompts whose tokens leave no room for max_new_tokens in the model's
 context are skipped and counted (`skipped_too_long`), never handed out; so are the evaluation's prompts
-(`held_out`, `skipped_held_out`). Test: pytest tests/engine/test_data.py
+(`held_out`, `skipped_held_out`). Test: pytest tests/engine/data/test_data.py
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.chat import MESSAGES_FIELD, ChatTemplate, conversation
 from tailrace.engine.config import DataConfig
-from tailrace.engine.parquet_rows import ParquetRows
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
+from tailrace.engine.data.chat import MESSAGES_FIELD, ChatTemplate, conversation
+from tailrace.engine.data.parquet_rows import ParquetRows
 
 
 def _rows_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -105,7 +105,7 @@ class PromptSource:
     def __init__(self, cfg: DataConfig, tokenizer: Any, *, max_prompt_tokens: int, position: int = 0,
                  held_out: frozenset[str] = frozenset(), split: str = "train"):
         """held_out: prompt texts never yielded (the evaluation's prompts), skipped and counted.
-        split: the synthetic stream ("eval": the held-out one, engine/tasks.py)."""
+        split: the synthetic stream ("eval": the held-out one, engine/data/tasks.py)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
@@ -137,7 +137,7 @@ class PromptSource:
                 f"(data.epochs = {epochs})")
 
     def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
-        from tailrace.engine.tasks import synthetic_prompts
+        from tailrace.engine.data.tasks import synthetic_prompts
 
         for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position, split=self.split):
             yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)

@@ -15,7 +15,7 @@ answer, 0.0 for an empty completion, low for garbage, and lower for a completion
 Prompt ``i`` of a stream is a pure function of ``(task, seed, i)``, so a resumed run continues exactly:
 ``synthetic_prompts("reverse", seed=0, start=i)``. ``score`` has the reward-server SDK signature, and
 its ``tasks`` attribute names the tasks it scores (a reward server registers those).
-Test: ``pytest tests/engine/test_tasks.py``.
+Test: ``pytest tests/engine/data/test_tasks.py``.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def score_task(task: str, prompt_text: str, completion_text: str, metadata: dict
 def score(prompt: str, completion: str, metadata: dict) -> float:
     """Reward-server entry point (SDK signature): dispatches on ``metadata["task"]``.
 
-    Run as a reward server: ``tailrace reward --connect ADDR --fn tailrace.engine.tasks:score``.
+    Run as a reward server: ``tailrace reward --connect ADDR --fn tailrace.engine.data.tasks:score``.
     """
     task = metadata.get("task", DEFAULT_TASK) if isinstance(metadata, dict) else DEFAULT_TASK
     if not isinstance(task, str):
@@ -191,6 +191,6 @@ def score(prompt: str, completion: str, metadata: dict) -> float:
     return score_task(task, prompt, completion, metadata)
 
 
-# What `tailrace reward --fn tailrace.engine.tasks:score` registers when --tasks is not given: only the
+# What `tailrace reward --fn tailrace.engine.data.tasks:score` registers when --tasks is not given: only the
 # tasks it can score, so that the trainer never sends it a task of the user's ("math") to fail.
 score.tasks = TASK_NAMES

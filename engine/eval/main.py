@@ -1,14 +1,14 @@
 """`tailrace eval --checkpoint DIR`: evaluate a saved model the way a run's evaluation does (README, "Evaluation").
 
 Loads a checkpoint folder (runs/<name>/checkpoint/latest or step_NNNNNN: what transformers' from_pretrained
-loads) on the backend generator.backend names, samples the eval prompts (engine/evals.py: one greedy sample
+loads) on the backend generator.backend names, samples the eval prompts (engine/eval/suite.py: one greedy sample
 and eval.n seeded samples at eval.temperature per prompt), scores them through the trainer's reward
 dispatcher with the built-in task functions or --fn module:function (the function `tailrace reward --fn`
 would serve), and prints one line, then, with --json, one JSON object as the last line.
 Settings: the run's config.toml next to the checkpoint folder, then --config FILE, then --section.name
 overrides; model.path is the checkpoint. An entry point like cli.py and launch.py (tests/test_layering.py):
 it drives the generator's backend and the trainer's reward dispatcher in one process.
-Test: pytest tests/engine/test_eval.py
+Test: pytest tests/engine/eval/test_eval.py
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.engine.config import RunConfig, config_data, from_dict
-from tailrace.engine.evals import EvalResults, PromptOutcome, eval_prompts, eval_requests
+from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +101,7 @@ async def score_all(cfg: RunConfig, tokenizer: Any, requests: list, samples: lis
 
 def evaluate(checkpoint: Path, cfg: RunConfig, *, fn: str = "") -> tuple[EvalResults, int]:
     """(results, the checkpoint's step) of one evaluation of `checkpoint` under `cfg`."""
-    from tailrace.engine import models
+    from tailrace.engine.core import models
     from tailrace.engine.generator.interface import load_backend
 
     tokenizer = models.load_tokenizer(str(checkpoint))

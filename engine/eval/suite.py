@@ -1,12 +1,12 @@
-"""What an evaluation is, shared by the trainer's in-run evaluation (engine/trainer/evaluation.py) and
-`tailrace eval --checkpoint DIR` (engine/evaluate.py): its prompts, its work, the pass@k estimator and
+"""What an evaluation is, shared by the trainer's in-run evaluation (engine/trainer/in_run_eval.py) and
+`tailrace eval --checkpoint DIR` (engine/eval/main.py): its prompts, its work, the pass@k estimator and
 the figures it reports (README, "Evaluation").
 
     eval_prompts(cfg, tokenizer, max_prompt_tokens)  eval.num_prompts prompts of eval.source
     eval_requests(cfg, prompts, eos)                 per prompt: one greedy sample, eval.n sampled ones
     pass_at_k(n, c, k)                               1 - C(n-c, k) / C(n, k), Chen et al. 2021, exact
     EvalResults.metrics() / .line(step)              the eval/... keys of metrics.jsonl; the terminal line
-Test: pytest tests/engine/test_eval.py
+Test: pytest tests/engine/eval/test_eval.py
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from fractions import Fraction
 from typing import Any
 
 from tailrace.engine.config import RunConfig
-from tailrace.engine.data import PromptSource
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
+from tailrace.engine.data.prompt_sources import PromptSource
 from tailrace.protocol.messages import SamplingParams
 
 GREEDY, SAMPLED = "greedy", "sampled"
@@ -36,11 +36,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def eval_prompts(cfg: RunConfig, tokenizer: Any, max_prompt_tokens: int) -> list[PromptRecord]:
     """The evaluation's prompts. eval.source "synthetic": the first eval.num_prompts distinct prompts of
-    data.task's held-out stream (engine/tasks.py, split "eval"; the trainer keeps their texts out of
+    data.task's held-out stream (engine/data/tasks.py, split "eval"; the trainer keeps their texts out of
     training); a file or hf: source: its first eval.num_prompts rows (0 = all), read as data.source is."""
     e = cfg.eval
     if e.source == "synthetic":
-        from tailrace.engine.tasks import TASK_NAMES
+        from tailrace.engine.data.tasks import TASK_NAMES
 
         if cfg.data.task not in TASK_NAMES:
             raise ValueError(f"eval.source: synthetic is a split of the built-in tasks ({', '.join(TASK_NAMES)}); "

@@ -8,8 +8,8 @@ then the usual forward/backward with the per-token linearisation sum_rows c_samp
 c_s = d loss / d S_s: the same gradient as backpropagating the DPO loss itself, since dS_s = sum of the
 sample's d logp. In the trie, chosen and rejected share their prompt, which runs once; the reference
 model's S come from the same trie walk (sequence_logprobs). The `train.algorithm = "dpo"` trainer mode
-(engine/trainer/dpo.py) runs this loss.
-Test: pytest tests/engine/test_replay.py -k dpo; pytest tests/engine/test_dpo.py
+(engine/trainer/dpo_loop.py) runs this loss.
+Test: pytest tests/engine/replay/test_replay.py -k dpo; pytest tests/engine/trainer/test_dpo.py
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailrace.engine.losses import LossNormaliser
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay.forward import decoder_spec
 from tailrace.engine.replay.replay import summed_logprobs
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.samples import TrainSample
 
 # Keys of DPOLoss's pair statistics (sums over pairs, except loss_dpo: already the mean).
 PAIR_STAT_KEYS = ("loss_dpo", "pairs", "accuracy", "chosen_reward", "rejected_reward")
@@ -38,7 +38,7 @@ def dpo_loss(chosen_S: torch.Tensor, rejected_S: torch.Tensor, ref_chosen_S: tor
 
 
 class DPOLoss:
-    """A strategy loss (engine/losses.py SequenceLoss) for pairs of sample indices (chosen, rejected).
+    """A strategy loss (engine/core/losses.py SequenceLoss) for pairs of sample indices (chosen, rejected).
 
     ref_logprobs_S: each sample's summed completion log-prob under the reference model (float64 [S]).
     """

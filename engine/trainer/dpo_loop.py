@@ -1,6 +1,6 @@
 """The `train.algorithm = "dpo"` trainer: preference pairs from data.source, no generators, no reward servers.
 
-    loop  take train.groups_per_step pairs (engine/pairs.py) -> reference log-probs (frozen initial
+    loop  take train.groups_per_step pairs (engine/data/dpo_pairs.py) -> reference log-probs (frozen initial
           policy, over the pairs' trie) -> DPO forward/backward by the branch-replay strategy (a pair's
           prompt runs once) -> clip, AdamW, LR schedule (Learner.apply_gradients) -> metrics.jsonl ->
           checkpoint every checkpoint.every_steps
@@ -8,7 +8,7 @@
           checkpoint (data position = rows consumed, so --resume continues at the next row) and summary.json
 
 Run: tailrace trainer --config FILE --train.algorithm dpo --data.source pairs.jsonl (or `tailrace run`).
-Test: pytest tests/engine/test_dpo.py
+Test: pytest tests/engine/trainer/test_dpo.py
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tailrace.engine import models
 from tailrace.engine.config import RunConfig
-from tailrace.engine.metrics import make_sink
-from tailrace.engine.pairs import PairSource, PreferencePair
-from tailrace.engine.replay.dpo import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
-from tailrace.engine.samples import TrainSample
+from tailrace.engine.core import models
+from tailrace.engine.core.metrics import make_sink
+from tailrace.engine.core.samples import TrainSample
+from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
+from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
 from tailrace.engine.trainer import checkpoint, dist
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossNormaliser

@@ -11,7 +11,7 @@ step's line in metrics.jsonl as eval/... keys.
 The train loop waits for its evaluation (at most eval.timeout_s), so no newer policy exists meanwhile:
 every eval sample is sampled by version V exactly. Eval samples never reach the controller: they have
 their own group ids (from EVAL_GROUP_ID_BASE) and their own counts (eval/samples_*), so the training
-accounting, handed out == trained + discarded, is untouched. Test: pytest tests/engine/test_eval.py
+accounting, handed out == trained + discarded, is untouched. Test: pytest tests/engine/eval/test_eval.py
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailrace.engine.evals import EvalResults, PromptOutcome, eval_prompts, eval_requests
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
+from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
 from tailrace.engine.trainer.controller import GroupState
 from tailrace.engine.trainer.intake import rollout_problem
 from tailrace.engine.trainer.scoring import ScoringFailed

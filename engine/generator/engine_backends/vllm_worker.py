@@ -4,7 +4,7 @@ The backend sends (name, raw bytes, dtype, shape) per tensor: collective_rpc ser
 and tensors do not survive that as tensors. Loading goes through the worker's reload path, which
 re-runs the model's own weight processing (CPU builds prepack linear layers, so a plain load_weights
 into the packed modules fails); a tied LM head is re-pointed at the new embedding afterwards.
-Imported by vLLM by name; needs vllm. Test: pytest tests/engine/test_vllm_backend.py
+Imported by vLLM by name; needs vllm. Test: pytest tests/engine/generator/engine_backends/test_vllm_backend.py
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Exploration cost is bounded twice: epsilon decays with the bucket's steps (epsil
 (decay_steps + n), never below min_epsilon, so a drafter that improves is still found), and a bucket
 explores only while its exploration steps took less than max_explore_share of its decode time — a
 random arm that is twice as slow as the best then costs at most that share of throughput.
-Test: pytest tests/engine/test_bandit.py
+Test: pytest tests/engine/generator/speculation/test_bandit.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
-from tailrace.engine.generator.speculative import DRAFTERS, OFF, Arm, as_arm
+from tailrace.engine.generator.speculation.speculative import DRAFTERS, OFF, Arm, as_arm
 
 DEFAULT_DEPTHS = (1, 2, 3, 4, 6, 8)
 DEFAULT_ARMS = (OFF, *(Arm(d, k) for d in DRAFTERS for k in DEFAULT_DEPTHS))

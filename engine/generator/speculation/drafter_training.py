@@ -1,4 +1,5 @@
-"""The spot trainer: a generator with no work trains its drafter on the policy's own recent rollouts.
+"""Drafter training in idle turns (the spot trainer): a generator with no work trains its drafter on the
+policy's own recent rollouts.
 
     backend.take_traces() --add()--> TraceBuffer (bounded: tokens, and the last few policy versions)
     idle generator: run(should_yield) --> train_step() ... each step packs ~tokens_per_step tokens of
@@ -19,7 +20,7 @@ to 0.87 / 0.81 / 0.76). Optionally, unrolled passes feed the drafter its own pre
 does at depth >= 2 (for the same training time, one pass beside weight 3 did worse there: 0.74 / 0.70 /
 0.63). Many small steps beat fewer large ones: on the tiny model the drafter learns the task's lookup
 after ~1000 steps, whatever their size.
-Test: pytest tests/engine/test_drafter.py
+Test: pytest tests/engine/generator/speculation/test_drafter.py
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator.speculative import Trace
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.generator.speculation.speculative import Trace
 
 
 @dataclass(kw_only=True)

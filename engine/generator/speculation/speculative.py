@@ -32,7 +32,7 @@ the acceptance tests, one for the final token), however many tokens it accepts, 
 decodes the same alone or in any batch for the same k; a suffix step draws k + 1 (its drafts, and so a
 seeded row's tokens, depend on the other samples of its prompt). This module is a friend of backend.TorchBackend: it reads
 and writes the backend's row state.
-Test: pytest tests/engine/test_speculative.py
+Test: pytest tests/engine/generator/speculation/test_speculative.py
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from typing import NamedTuple
 
 import torch
 
-from tailrace.engine.drafter import Drafter
+from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
-from tailrace.engine.generator.suffix import SuffixDrafter, pad_drafts
+from tailrace.engine.generator.speculation.suffix import SuffixDrafter, pad_drafts
 
 MAX_DRAFT_TOKENS = 8
 """Largest speculation depth k; the backend keeps this many spare cache columns for it."""

@@ -14,7 +14,7 @@ steps that draft from it, so plain and EAGLE steps pay no host sync for it; and 
 indexed only when a draft is asked of that index, so a generator whose bandit keeps suffix drafting off
 pays a list append per finished sample, not the indexing (that cost 2-3% of decode time at running batch 16
 on the default workload, whose samples are a few tokens long).
-Test: pytest tests/engine/test_suffix.py
+Test: pytest tests/engine/generator/speculation/test_suffix.py
 """
 
 from __future__ import annotations

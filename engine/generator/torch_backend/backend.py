@@ -19,7 +19,7 @@ and forks at fixed completion depths, or where the next token is uncertain, into
 its cache row and outputs); see tree.py.
 On a CUDA device the decode, verify and draft forwards run at fixed shapes and are replayed as CUDA graphs
 (static_forwards, graphs.StaticForwards); elsewhere they run eagerly over the live window of columns.
-Test: pytest tests/engine/test_backend.py
+Test: pytest tests/engine/generator/torch_backend/test_backend.py
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailrace.engine.generator.graphs import StaticForwards, resolve_mode
-from tailrace.engine.generator.kv import SlotKVCache
+from tailrace.engine.core.models import cache_kwarg, check_supported, sliding_window
 from tailrace.engine.generator.requests import (
     BackendStats,
     Finished,
@@ -44,9 +43,16 @@ from tailrace.engine.generator.requests import (
     weight_items,
 )
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs, request_generator, sample
-from tailrace.engine.generator.speculative import MAX_DRAFT_TOKENS, OFF, Arm, SpeculativeDecoder, as_arm
-from tailrace.engine.generator.tree import TreeSampling, entropy, plan_forks, take_trunks
-from tailrace.engine.models import cache_kwarg, check_supported, sliding_window
+from tailrace.engine.generator.speculation.speculative import (
+    MAX_DRAFT_TOKENS,
+    OFF,
+    Arm,
+    SpeculativeDecoder,
+    as_arm,
+)
+from tailrace.engine.generator.torch_backend.graphs import StaticForwards, resolve_mode
+from tailrace.engine.generator.torch_backend.kv import SlotKVCache
+from tailrace.engine.generator.torch_backend.tree import TreeSampling, entropy, plan_forks, take_trunks
 from tailrace.protocol.messages import SamplingParams
 
 _NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
@@ -503,7 +509,7 @@ class TorchBackend:
         return OFF if self._spec is None else as_arm(self._depth_policy.choose(num_rows))
 
     def _speculative_step(self, arm: Arm) -> list[Finished]:
-        """One speculative step (speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
+        """One speculative step (speculation/speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
         at their budget."""
         num_rows, k = len(self._seqs), arm.k
         rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]

@@ -26,7 +26,7 @@ the backend, so replays see the current weights and cache. The sampling around t
 
 mode ("graphs" | "static" | "off"): graphs on CUDA; static runs the same fixed-shape bodies without
 capture (on a CPU: how tests check the graph path's forwards against the eager window's).
-Test: pytest tests/engine/test_static_forwards.py (static on a CPU; the gpu-marked one captures)
+Test: pytest tests/engine/generator/torch_backend/test_static_forwards.py (static on a CPU; the gpu-marked one captures)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ through the same update()) and per-column state buffers [max_rows, capacity, D] 
 token id and the policy's hidden state of each column); every layout change moves them with the keys.
 
 The object is handed to a Hugging Face model as its `cache`: the model calls update() once per layer.
-Test: pytest tests/engine/test_backend.py
+Test: pytest tests/engine/generator/torch_backend/test_backend.py
 """
 
 from __future__ import annotations

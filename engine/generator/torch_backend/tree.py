@@ -8,7 +8,7 @@ clone row (a copy of the row's key/value cache, tokens, log-probs and versions) 
 runs and whose other samples it holds. Every leaf is an ordinary sample. The decisions (which waiting
 samples a trunk holds, how a fork splits them) are pure and live here; the backend copies the rows.
 Rows are the backend's _Seq: .request, .branches (held samples), .next_fork, .tree_done, .first_token_s.
-Test: pytest tests/engine/test_tree_sampling.py
+Test: pytest tests/engine/generator/torch_backend/test_tree_sampling.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The metrics sink: JSONL lines a tool can tail, NaN as null, fan-out to every sink, no file without a run;
 metrics.sinks turns on TensorBoard (events its reader reads, the run config as text) and W&B (offline here).
-Run: pytest tests/engine/test_metrics.py
+Run: pytest tests/engine/core/test_metrics.py
 """
 
 import json
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tailrace.engine.config import load_config
-from tailrace.engine.metrics import FanOut, JsonlSink, MetricsSink, NullSink, make_sink
+from tailrace.engine.core.metrics import FanOut, JsonlSink, MetricsSink, NullSink, make_sink
 
 
 class Recording(MetricsSink):

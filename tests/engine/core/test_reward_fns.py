@@ -1,7 +1,7 @@
 """Several reward functions as one weighted sum (reward.functions): the config forms, the combination,
 failures that become score errors, and a real `tailrace reward --config` process answering a trainer-side
 RewardRouter over TCP; a real `tailrace run` logging each function in metrics.jsonl (slow).
-Run: pytest tests/engine/test_reward_fns.py [-m slow]
+Run: pytest tests/engine/core/test_reward_fns.py [-m slow]
 """
 
 import asyncio
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine import reward_fns
 from tailrace.engine.config import RewardConfig, RewardFunctionConfig, commented_toml, load_config, to_toml
+from tailrace.engine.core import reward_fns
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
 from tailrace.protocol.reward_sdk import RewardRouter, ScoreFailed
 from tailrace.protocol.transport import Server
@@ -166,7 +166,7 @@ async def test_tailrace_reward_serves_the_weighted_sum_over_tcp(user_module):
 def test_a_run_logs_each_function_and_trains_on_their_weighted_sum(user_module):
     (user_module / "run.toml").write_text(f'''
 [[reward.functions]]
-fn = "tailrace.engine.tasks:score"
+fn = "tailrace.engine.data.tasks:score"
 weight = 1.0
 name = "match"
 [[reward.functions]]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tailrace.engine.weights import WeightsAssembler, WeightsStore, chunk_state_dict
+from tailrace.engine.core.weights import WeightsAssembler, WeightsStore, chunk_state_dict
 from tailrace.protocol.codec import decode, encode
 
 

@@ -1,16 +1,16 @@
 """Conversational rows (a list of {role, content} turns) through the chat template, exactly as
 tokenizer.apply_chat_template(..., add_generation_prompt=True) gives them, with the shipped tiny
 tokenizer given a template here (it ships none), for GRPO prompts and DPO pairs.
-Run: pytest tests/engine/test_chat_data.py
+Run: pytest tests/engine/data/test_chat_data.py
 """
 
 import json
 
 import pytest
 
-from tailrace.engine import models
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data import PromptSource
+from tailrace.engine.core import models
+from tailrace.engine.data.prompt_sources import PromptSource
 
 # Only characters of the tiny model's vocabulary, so that every token is a real one (no <unk>).
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }};{% endfor %}"
@@ -101,7 +101,7 @@ def test_malformed_turns_are_a_clear_error(tmp_path, tokenizer):
 
 
 def test_dpo_prompts_given_as_turns_go_through_the_template_too(tmp_path, tokenizer):
-    from tailrace.engine.pairs import PairSource
+    from tailrace.engine.data.dpo_pairs import PairSource
 
     rows = [{"prompt": TURNS, "chosen": "cba", "rejected": "abc"}, {"prompt": "rev:ab=", "chosen": "ba", "rejected": "ab"}]
     chat, text = PairSource(DataConfig(source=_file(tmp_path, rows)), tokenizer, max_tokens=100)

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data import PromptSource, parse_hf_source
+from tailrace.engine.data.prompt_sources import PromptSource, parse_hf_source
 
 
 class CharTokenizer:

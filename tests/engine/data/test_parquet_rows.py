@@ -1,15 +1,14 @@
 """Parquet prompt files read a bounded piece at a time: file order through iter_batches, shuffled epochs
 by windows of row groups, exact resume inside an epoch, never the whole file at once (the reads are
-counted). Needs pyarrow (the `parquet` extra). Run: pytest tests/engine/test_parquet_rows.py
+counted). Needs pyarrow (the `parquet` extra). Run: pytest tests/engine/data/test_parquet_rows.py
 """
 
 import json
 
 import pytest
 
-from tailrace.engine import parquet_rows
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data import PromptSource
+from tailrace.engine.data.prompt_sources import PromptSource, parquet_rows
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -1,6 +1,6 @@
 """Built-in synthetic tasks, their rewards, and the shipped tiny model (examples/tiny).
 
-Run: pytest tests/engine/test_tasks.py
+Run: pytest tests/engine/data/test_tasks.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine import tasks
+from tailrace.engine.data.prompt_sources import tasks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = REPO_ROOT / "examples" / "tiny"
@@ -39,7 +39,7 @@ def test_prompts_are_deterministic_by_seed_and_resume_at_an_offset(task):
 
 
 def test_prompts_do_not_depend_on_the_process_hash_seed():
-    code = "from tailrace.engine.tasks import make_prompt; print(make_prompt('reverse', 5, 11).text)"
+    code = "from tailrace.engine.data.tasks import make_prompt; print(make_prompt('reverse', 5, 11).text)"
     texts = set()
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine import models
 from tailrace.engine.config import RunConfig, load_config
-from tailrace.engine.data import PromptSource
-from tailrace.engine.evals import EvalResults, PromptOutcome, eval_prompts, eval_requests, pass_at_k
+from tailrace.engine.core import models
+from tailrace.engine.data.prompt_sources import PromptSource
+from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests, pass_at_k
 
 ROOT = Path(__file__).resolve().parents[2]
 

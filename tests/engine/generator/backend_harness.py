@@ -1,6 +1,6 @@
 """Shared pieces of the backend conformance suite: building each backend on the shipped tiny model,
 driving it to idle, and the Hugging Face references (greedy, processed log-probs, in-flight updates).
-Used by tests/engine/test_backend_conformance.py and tests/engine/test_vllm_backend.py.
+Used by tests/engine/generator/test_backend_conformance.py and tests/engine/generator/engine_backends/test_vllm_backend.py.
 """
 
 from __future__ import annotations
@@ -10,9 +10,15 @@ import importlib.util
 import pytest
 import torch
 
+from tailrace.engine.core.models import (
+    TINY_MODEL_PATH,
+    cache_kwarg,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+)
 from tailrace.engine.generator.requests import Finished, Request
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
-from tailrace.engine.models import TINY_MODEL_PATH, cache_kwarg, eos_token_ids, load_model, load_tokenizer
 from tailrace.protocol.messages import SamplingParams
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -35,7 +41,7 @@ def perturbed_state(seed: int = 1, scale: float = 0.05) -> dict[str, torch.Tenso
 
 
 def make_torch(max_batch_size: int, seed: int | None = 0):
-    from tailrace.engine.generator.backend import TorchBackend
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
 
     model = tiny_model()
     return TorchBackend(model, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN,
@@ -43,14 +49,14 @@ def make_torch(max_batch_size: int, seed: int | None = 0):
 
 
 def make_llm(cache_dir, max_batch_size: int = 8):
-    from tailrace.engine.generator.vllm_backend import build_llm
+    from tailrace.engine.generator.engine_backends.vllm_backend import build_llm
 
     return build_llm(str(TINY_MODEL_PATH), max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN,
                      cache_dir=cache_dir)
 
 
 def make_vllm(llm, max_batch_size: int, in_flight_kv: str = "keep"):
-    from tailrace.engine.generator.vllm_backend import VLLMBackend
+    from tailrace.engine.generator.engine_backends.vllm_backend import VLLMBackend
 
     model = tiny_model()
     return VLLMBackend(llm, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN,

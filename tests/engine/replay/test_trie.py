@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.samples import TrainSample
 
 
 def make_sample(seq, prompt_len, i=0, temperature=1.0):

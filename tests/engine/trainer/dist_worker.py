@@ -1,6 +1,6 @@
-"""One trainer rank for tests/engine/test_dist.py: run it under torchrun (or plain python for one rank).
+"""One trainer rank for tests/engine/trainer/test_dist.py: run it under torchrun (or plain python for one rank).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/engine/dist_worker.py --replay replay --out OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/engine/trainer/dist_worker.py --replay replay --out OUT
 
 Trains a tiny model (float64 or float32) for --steps optimizer steps on fixed batches of unequal groups
 whose split across ranks is uneven (the last batch is one group: rank 1 has only its zero-weight unit),
@@ -33,7 +33,7 @@ def tiny_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def batches():
     """Three batches: unequal groups, then one big and one tiny group, then a single group."""
-    from tailrace.engine.samples import Group, TrainSample
+    from tailrace.engine.core.samples import Group, TrainSample
 
     gen = torch.Generator().manual_seed(1)
     next_id = iter(range(1000))

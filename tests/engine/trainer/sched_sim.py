@@ -3,7 +3,7 @@ batching, a decode step whose cost grows with the running batch, weights that ar
 they are published, samples of heavy-tailed lengths fixed by (group, sample)) and a fake trainer (a step
 costs a + b * tokens). Simulated time only: no sleeps, no processes, deterministic.
 
-Used by tests/engine/test_controller_schedule.py to measure what the scheduler rule costs (the trainer's
+Used by tests/engine/trainer/test_controller_schedule.py to measure what the scheduler rule costs (the trainer's
 idle share) and to check the staleness bound and the accounting on long-tail workloads.
 """
 
@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.trainer.controller import Controller
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import checkpoint
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 

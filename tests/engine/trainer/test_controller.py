@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.trainer.controller import AccountingError, Controller
 
 

@@ -1,7 +1,7 @@
 """The staleness bound and the accounting under random schedules (hypothesis), with fake generators that
 lag behind the trainer's policy version, split groups between them, update weights while samples are in
 flight, and finish samples in any order; plus leases. Pure controller logic, no processes.
-Run: pytest tests/engine/test_controller_properties.py
+Run: pytest tests/engine/trainer/test_controller_properties.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.trainer.controller import Controller
 
 

@@ -1,8 +1,8 @@
 """The scheduler rule, measured: groups committed to the open step as they complete (take_for_step) let the
 trainer run their forward/backward while the step's slowest group is still generated, so it waits only for
 that group's own share and the optimizer step. Discrete-event runs of the real Controller with fake
-generators and trainer (tests/engine/sched_sim.py): the trainer's idle share, the staleness bound never
-exceeded (in-flight samples counted), nothing trained twice. Run: pytest tests/engine/test_controller_schedule.py
+generators and trainer (tests/engine/trainer/sched_sim.py): the trainer's idle share, the staleness bound never
+exceeded (in-flight samples counted), nothing trained twice. Run: pytest tests/engine/trainer/test_controller_schedule.py
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.trainer.controller import Controller
-from tests.engine.sched_sim import Sample, Workload, simulate
+from tests.engine.trainer.sched_sim import Sample, Workload, simulate
 
 DEFAULT = Workload(steps=24)
 # Lengths like the papers' (p99 / median well over 8), a policy three times as deep (costs x 3).

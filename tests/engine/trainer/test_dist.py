@@ -1,8 +1,8 @@
 """The trainer on several ranks: real ranks under torchrun (gloo, CPU), each run bounded in time.
 
-The workers (tests/engine/dist_worker.py) train a tiny model on batches of unequal groups whose split is
+The workers (tests/engine/trainer/dist_worker.py) train a tiny model on batches of unequal groups whose split is
 uneven (the last batch leaves rank 1 only its zero-weight unit); one rank is the reference.
-Run: pytest tests/engine/test_dist.py  (the slow ones: -m slow)
+Run: pytest tests/engine/trainer/test_dist.py  (the slow ones: -m slow)
 """
 
 import importlib.util

@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tailrace.engine import models
 from tailrace.engine.config import DataConfig, load_config
-from tailrace.engine.pairs import PairSource, PreferencePair
-from tailrace.engine.samples import TrainSample
-from tailrace.engine.trainer.dpo import DPOLearner, DPOTrainer, pair_samples
+from tailrace.engine.core import models
+from tailrace.engine.core.samples import TrainSample
+from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
+from tailrace.engine.trainer.dpo_loop import DPOLearner, DPOTrainer, pair_samples
 from tailrace.engine.trainer.learner import LearnerConfig, sample_logprobs
-from tests.engine.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
+from tests.engine.replay.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 the learner runs (the HF forward of `naive`, branch-replay's own per-layer forward, packed tries): the
 gradient is unchanged (float64), and autograd keeps a small fraction of the activations on a longer
 sequence (bytes of the tensors saved for backward, counted by saved_tensors_hooks).
-Run: pytest tests/engine/test_grad_checkpointing.py
+Run: pytest tests/engine/trainer/test_grad_checkpointing.py
 """
 
 import copy
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from tailrace.engine.config import FSDPConfig
-from tailrace.engine.losses import LossNormaliser
+from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.replay.packed import PackedForwardBackward
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import Learner, LearnerConfig, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
-from tests.engine.test_ppo import LOSS, make_groups
-from tests.engine.test_replay import group_samples, make_samples, rel_err, tiny_model
+from tests.engine.replay.test_replay import group_samples, make_samples, rel_err, tiny_model
+from tests.engine.trainer.test_ppo import LOSS, make_groups
 
 STRATEGIES = {"naive": lambda: NaiveForwardBackward(4096, 5), "replay": lambda: ReplayForwardBackward(5),
               "packed": lambda: PackedForwardBackward(4096, 5)}

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from tailrace.engine.losses import LossNormaliser
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import (
     Learner,

@@ -1,6 +1,6 @@
 """Learner.accumulate: the forward/backward of a step's complete groups run early, while its other groups are
 still generated, give the same gradient, update and loss as the whole step at once (float64, 1e-9), under
-both aggregations and the branch-replay strategy. Run: pytest tests/engine/test_learner_accumulate.py
+both aggregations and the branch-replay strategy. Run: pytest tests/engine/trainer/test_learner_accumulate.py
 
 The increments are summed under normaliser 1 and scaled by 1 / (step's tokens or samples) at the end.
 Hugging Face's RMSNorm computes in float32 even in a float64 model, so a scale that is not a power of two
@@ -17,7 +17,7 @@ import torch
 
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossConfig
-from tests.engine.test_learner import make_groups, tiny_model
+from tests.engine.trainer.test_learner import make_groups, tiny_model
 
 
 def _learner(model, aggregation: str, replay: str) -> Learner:

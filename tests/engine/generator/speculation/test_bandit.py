@@ -3,7 +3,7 @@ synthetic reward (including "off" where speculation loses), explores with probab
 decays, within a bounded share of decode time, and follows a reward that changes; as the backend's depth
 policy it keeps decoding exact.
 
-Run: pytest tests/engine/test_bandit.py
+Run: pytest tests/engine/generator/speculation/test_bandit.py
 """
 
 import random
@@ -12,9 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.bandit import (
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.generator.speculation.bandit import (
     DEFAULT_ARMS,
     SpecBandit,
     arm_key,
@@ -22,7 +21,8 @@ from tailrace.engine.generator.bandit import (
     bucket_label,
     bucket_of,
 )
-from tailrace.engine.generator.speculative import OFF, Arm, telemetry
+from tailrace.engine.generator.speculation.speculative import OFF, Arm, telemetry
+from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 from tailrace.protocol.messages import SamplingParams
 
 # Synthetic tokens/s per (bucket, k) of the eagle drafter: speculation pays at small batches, less at

@@ -1,17 +1,15 @@
 """The drafter and its spot trainer: shared frozen policy parts, files and wire state, trace alignment,
 packing without attention across samples, yielding to work within one step, acceptance that rises.
 
-Run: pytest tests/engine/test_drafter.py
+Run: pytest tests/engine/generator/speculation/test_drafter.py
 """
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tailrace.engine.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
-from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.speculative import FixedDepth, Trace
-from tailrace.engine.generator.spot import (
+from tailrace.engine.core.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
+from tailrace.engine.generator.speculation.drafter_training import (
     KeyRecorder,
     SpotConfig,
     SpotTrainer,
@@ -20,6 +18,8 @@ from tailrace.engine.generator.spot import (
     drafter_passes,
     pack,
 )
+from tailrace.engine.generator.speculation.speculative import FixedDepth, Trace
+from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 from tailrace.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)

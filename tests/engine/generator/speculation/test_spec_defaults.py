@@ -6,7 +6,7 @@ GeneratorService path that builds the bandit and the spot trainer."""
 import torch
 
 from tailrace.engine.config import load_config
-from tailrace.engine.drafter import Drafter
+from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.interface import speculation_drafters, spot_training, torch_backend
 from tailrace.engine.generator.service import GeneratorService
 

@@ -5,7 +5,7 @@ rows), whole sampled sequences against the policy's exact sequence distribution 
 >= 20000 samples, fixed seeds, temperature 1 and with top-p/top-k; a deliberately lossy rule must fail the
 same test), and greedy decoding token for token against full recompute. The chi-square tests also run on
 the 12-layer shape of the long-tail benchmarks' policy (a model deepened by tools/make_tiny_model.py).
-Run: pytest tests/engine/test_speculative.py   (the 100000-sample variant and the exactly deepened one: -m slow)
+Run: pytest tests/engine/generator/speculation/test_speculative.py   (the 100000-sample variant and the exactly deepened one: -m slow)
 """
 
 import itertools
@@ -14,17 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator import speculative
-from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.kv import SlotKVCache
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.core.models import cache_kwarg
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
-from tailrace.engine.generator.speculative import FixedDepth, accept_drafts
-from tailrace.engine.generator.spot import KeyRecorder, SpotConfig, SpotTrainer
-from tailrace.engine.models import cache_kwarg
+from tailrace.engine.generator.speculation import speculative
+from tailrace.engine.generator.speculation.drafter_training import KeyRecorder, SpotConfig, SpotTrainer
+from tailrace.engine.generator.speculation.speculative import FixedDepth, accept_drafts
+from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
+from tailrace.engine.generator.torch_backend.kv import SlotKVCache
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.test_backend import greedy_reference, prompts, reference_logits
-from tests.engine.test_backend import run as run_backend
+from tests.engine.generator.torch_backend.test_backend import greedy_reference, prompts, reference_logits
+from tests.engine.generator.torch_backend.test_backend import run as run_backend
 from tools.make_tiny_model import deepen_model
 
 torch.set_num_threads(1)

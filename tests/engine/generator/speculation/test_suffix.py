@@ -2,7 +2,7 @@
 and the lossless acceptance rule with a point-mass draft emits exactly the policy's distribution
 (chi-square over two emitted tokens, drafts right, wrong and impossible under top-k); accept_point_drafts
 is that rule, and in the backend a group's samples draft for each other.
-Run: pytest tests/engine/test_suffix.py
+Run: pytest tests/engine/generator/speculation/test_suffix.py
 """
 
 import itertools
@@ -12,11 +12,16 @@ import torch
 from test_backend import greedy_reference
 from test_speculative import chi_square_pvalue, make_model, spec_backend
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator import speculative
-from tailrace.engine.generator.backend import Request
-from tailrace.engine.generator.speculative import accept_drafts
-from tailrace.engine.generator.suffix import SuffixDrafter, SuffixIndex, pad_drafts, point_mass_logprobs
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.generator.speculation import speculative
+from tailrace.engine.generator.speculation.speculative import accept_drafts
+from tailrace.engine.generator.speculation.suffix import (
+    SuffixDrafter,
+    SuffixIndex,
+    pad_drafts,
+    point_mass_logprobs,
+)
+from tailrace.engine.generator.torch_backend.backend import Request
 from tailrace.protocol.messages import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 References: greedy full recompute (argmax of model(whole sequence), no cache), each sequence decoded
 alone, and Hugging Face's own DynamicCache for the in-flight weight update.
-Run: pytest tests/engine/test_backend.py
+Run: pytest tests/engine/generator/torch_backend/test_backend.py
 """
 
 import pytest
@@ -17,16 +17,16 @@ from transformers import (
     Qwen3Config,
 )
 
-from tailrace.engine.generator.backend import TorchBackend
-from tailrace.engine.generator.requests import Request, requests_for
-from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
-from tailrace.engine.models import (
+from tailrace.engine.core.models import (
     SUPPORTED_MODEL_TYPES,
     TINY_MODEL_PATH,
     cache_kwarg,
     check_supported,
     load_model,
 )
+from tailrace.engine.generator.requests import Request, requests_for
+from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
+from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.protocol.messages import SamplingParams, WorkItem
 
 torch.set_num_threads(1)
@@ -350,8 +350,8 @@ def test_load_model_round_trip(tmp_path):
 def test_outputs_are_ordinary_tensors_that_autograd_accepts():
     # The backend decodes under inference_mode; what it hands out (finished, cancelled, traces) must
     # be ordinary tensors, since a trainer in the same process builds autograd graphs on them.
-    from tailrace.engine.drafter import Drafter
-    from tailrace.engine.generator.speculative import FixedDepth
+    from tailrace.engine.core.drafter import Drafter
+    from tailrace.engine.generator.speculation.speculative import FixedDepth
 
     model = make_model("qwen2")
     backend = TorchBackend(model, max_batch_size=2, max_model_len=32)
@@ -381,7 +381,7 @@ def test_cpu_backend_runs_masked_grouped_query_attention_without_copies_and_the_
     same logits as the copying path; a value the user set is kept."""
     import os
 
-    from tailrace.engine.generator.backend import masked_gqa_on_cpu
+    from tailrace.engine.generator.torch_backend.backend import masked_gqa_on_cpu
 
     model = make_model("qwen2")  # 4 query heads over 2 key/value heads
     gen = torch.Generator().manual_seed(3)

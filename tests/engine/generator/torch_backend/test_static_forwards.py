@@ -1,23 +1,23 @@
-"""The torch backend's fixed-shape forwards (engine/generator/graphs.py): what CUDA graphs capture.
+"""The torch backend's fixed-shape forwards (engine/generator/torch_backend/graphs.py): what CUDA graphs capture.
 
 On a CPU the same bodies run uncaptured (static_forwards="static"), and a run of mixed requests (rows
 joining and leaving, batches crossing bucket sizes, compaction, speculative steps of the EAGLE and suffix
 drafters) must give what the eager window gives: the same tokens and, in float64, the same log-probs to
 1e-9. The gpu-marked test captures real CUDA graphs and checks them against the eager path the same way.
-Run: pytest tests/engine/test_static_forwards.py   (the CUDA one: -m gpu on a GPU machine)
+Run: pytest tests/engine/generator/torch_backend/test_static_forwards.py   (the CUDA one: -m gpu on a GPU machine)
 """
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.generator.graphs import bucket_of, resolve_mode
-from tailrace.engine.generator.speculative import FixedDepth
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.generator.speculation.speculative import FixedDepth
+from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
+from tailrace.engine.generator.torch_backend.graphs import bucket_of, resolve_mode
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.test_backend import prompts
-from tests.engine.test_speculative import make_model, run
+from tests.engine.generator.speculation.test_speculative import make_model, run
+from tests.engine.generator.torch_backend.test_backend import prompts
 
 torch.set_num_threads(1)
 

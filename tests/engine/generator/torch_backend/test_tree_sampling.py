@@ -2,20 +2,20 @@
 
 References: plain greedy decoding, and each branch decoded alone from its full prefix (prompt plus the
 trunk tokens) with the same seeded stream, which checks the copied key/value rows.
-Run: pytest tests/engine/test_tree_sampling.py
+Run: pytest tests/engine/generator/torch_backend/test_tree_sampling.py
 """
 
 import pytest
 import torch
 
-from tailrace.engine.drafter import Drafter
-from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.requests import Request, requests_for
-from tailrace.engine.generator.speculative import FixedDepth
-from tailrace.engine.generator.tree import TreeSampling, split_samples
+from tailrace.engine.generator.speculation.speculative import FixedDepth
+from tailrace.engine.generator.torch_backend.backend import TorchBackend
+from tailrace.engine.generator.torch_backend.tree import TreeSampling, split_samples
 from tailrace.protocol.messages import SamplingParams, WorkItem
-from tests.engine.test_backend import greedy_reference, make_model, run
-from tests.engine.test_speculative import row_cache_matches_recompute
+from tests.engine.generator.speculation.test_speculative import row_cache_matches_recompute
+from tests.engine.generator.torch_backend.test_backend import greedy_reference, make_model, run
 
 torch.set_num_threads(1)
 
