@@ -62,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO_ROOT))
 
-from tailrace.engine.data.prompt_sources import tasks  # noqa: E402  (pure Python; torch is imported in main())
+from tailrace.engine.data import tasks  # noqa: E402  (pure Python; torch is imported in main())
 
 # The long-tail policy's recipe (examples/tiny_longtail), as the docstring and README give it.
 LONGTAIL_RECIPE = ("--task", "reverse_longtail", "--out", "examples/tiny_longtail", "--init", "examples/tiny",

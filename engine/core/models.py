@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL_PATH = Path(__file__).resolve().parents[1] / "examples" / "tiny"
+TINY_MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 """The shipped tiny model (a source checkout or editable install; examples/ is not packaged)."""
 
 SHIPPED_MODELS = {"tiny": TINY_MODEL_PATH, "tiny_longtail": TINY_MODEL_PATH.parent / "tiny_longtail"}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tailrace.engine.core import models, preflight
-from tailrace.engine.data.prompt_sources import tasks
+from tailrace.engine.data import tasks
 from tools import make_tiny_model
 
 

@@ -109,7 +109,7 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[
     optimizer's share."""
     from tailrace.engine.core import models
     from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
-    from tailrace.engine.data.prompt_sources import tasks
+    from tailrace.engine.data import tasks
     from tailrace.engine.trainer.learner import Learner
     from tailrace.engine.trainer.runs import learner_config
     from tools.benches.modelled import train_tokens

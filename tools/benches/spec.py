@@ -80,7 +80,7 @@ def _groups(prompts, sampling) -> list:
 
 
 def _prompts(tokenizer, num: int, seed: int, min_chars: int = 0) -> list[list[int]]:
-    from tailrace.engine.data.prompt_sources import tasks
+    from tailrace.engine.data import tasks
 
     out = []
     for prompt in tasks.synthetic_prompts(seed=seed):

@@ -25,7 +25,7 @@ def _sizes(quick: bool) -> dict:
 
 def _requests(num_prompts: int, max_new_tokens: int):
     from tailrace.engine.core import models
-    from tailrace.engine.data.prompt_sources import tasks
+    from tailrace.engine.data import tasks
     from tailrace.engine.generator.requests import Request
     from tailrace.protocol.messages import SamplingParams
 

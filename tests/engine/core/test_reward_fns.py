@@ -20,7 +20,7 @@ from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
 from tailrace.protocol.reward_sdk import RewardRouter, ScoreFailed
 from tailrace.protocol.transport import Server
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Values chosen so that a weighted sum is exact in binary: the test compares with ==.
 FUNCTIONS = '''

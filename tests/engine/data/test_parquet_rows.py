@@ -8,7 +8,8 @@ import json
 import pytest
 
 from tailrace.engine.config import DataConfig
-from tailrace.engine.data.prompt_sources import PromptSource, parquet_rows
+from tailrace.engine.data import parquet_rows
+from tailrace.engine.data.prompt_sources import PromptSource
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

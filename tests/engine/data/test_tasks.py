@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine.data.prompt_sources import tasks
+from tailrace.engine.data import tasks
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY = REPO_ROOT / "examples" / "tiny"
 
 
@@ -57,7 +57,7 @@ def test_prompts_do_not_depend_on_the_process_hash_seed():
 
 
 def test_tasks_module_imports_no_torch():
-    code = "import sys, engine.tasks; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, tailrace.engine.data.tasks; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60, check=True)
 
 

@@ -20,7 +20,7 @@ from tailrace.engine.core import models
 from tailrace.engine.data.prompt_sources import PromptSource
 from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests, pass_at_k
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------------------------------- pass@k

@@ -20,7 +20,7 @@ from tailrace.engine.trainer import ranks
 from tailrace.engine.trainer.dist import partition
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUN_TIMEOUT_S = 240
 
 

@@ -23,7 +23,7 @@ from tailrace.engine.trainer.dpo_loop import DPOLearner, DPOTrainer, pair_sample
 from tailrace.engine.trainer.learner import LearnerConfig, sample_logprobs
 from tests.engine.replay.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 torch.set_num_threads(1)
 
 

@@ -19,7 +19,7 @@ from tailrace.protocol.messages import SamplingParams
 from tests.engine.generator.backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
 
 pytestmark = needs_vllm
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ import itertools
 
 import pytest
 import torch
-from test_backend import greedy_reference
-from test_speculative import chi_square_pvalue, make_model, spec_backend
 
 from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.speculation import speculative
@@ -23,6 +21,8 @@ from tailrace.engine.generator.speculation.suffix import (
 )
 from tailrace.engine.generator.torch_backend.backend import Request
 from tailrace.protocol.messages import SamplingParams
+from tests.engine.generator.speculation.test_speculative import chi_square_pvalue, make_model, spec_backend
+from tests.engine.generator.torch_backend.test_backend import greedy_reference
 
 
 def test_longest_seen_suffix_proposes_its_continuation():
