@@ -10,7 +10,7 @@
     tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
-what it needs. Test: pytest tests/engine/test_cli.py
+what it needs. Test: pytest tests/engine/test_user_path.py
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                             "weighted sum of reward.functions (--config FILE or --reward.functions "
                             "mod:f,mod:g=0.5), each function's value logged under its name.")
     reward.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
-    reward.add_argument("--fn", default="", help="module:function, e.g. tailrace.engine.tasks:score")
+    reward.add_argument("--fn", default="", help="module:function, e.g. tailrace.engine.data.tasks:score")
     reward.add_argument("--config", help="TOML run config whose reward.functions it serves (without --fn)")
     reward.add_argument("--tasks", default="", help="comma-separated task names it scores (default: the "
                         "function's `tasks` attribute if it has one, else all)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.role == "generator":
             from tailrace.engine.generator.main import main as role_main
         elif args.role == "eval":
-            from tailrace.engine.evaluate import main as role_main
+            from tailrace.engine.eval.main import main as role_main
         elif args.role == "config":
             from tailrace.engine.config import commented_toml, load_config
 

@@ -65,7 +65,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "synthetic"  # "synthetic", a .jsonl / .parquet file, or "hf:NAME[[:CONFIG]:SPLIT]" (datasets; docs/model-and-data.md)
-    task: str = "reverse"  # synthetic task name (engine/tasks.py), or the task of file rows without one
+    task: str = "reverse"  # synthetic task name (engine/data/tasks.py), or the task of file rows without one
     prompt_field: str = "prompt"  # file rows: the field holding the prompt, text or a list of {role, content} turns (else a `messages` field)
     chat_template: str = "auto"  # conversational rows: auto (the tokenizer's chat template) / none (refused) / a Jinja template file that overrides the tokenizer's
     answer_field: str = "answer"  # file rows: copied into reward metadata as "answer" (a `messages` row without it: its final assistant turn)
@@ -112,7 +112,7 @@ class ControllerConfig:
 
 @dataclass(kw_only=True)
 class RewardFunctionConfig:
-    """One entry of reward.functions (engine/reward_fns.py combines them)."""
+    """One entry of reward.functions (engine/core/reward_fns.py combines them)."""
 
     fn: str = ""  # module:function, score(prompt, completion, metadata) -> float | dict
     weight: float = 1.0  # its factor in the weighted sum

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import preflight, report, reward_fns
 from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
+from tailrace.engine.core import preflight, report, reward_fns
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
-BUILTIN_REWARD = "tailrace.engine.tasks:score"
+BUILTIN_REWARD = "tailrace.engine.data.tasks:score"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Entry point of `tailrace reward`: serve a user's Python function, or the weighted sum of
-reward.functions (engine/reward_fns.py), as a reward server.
+reward.functions (engine/core/reward_fns.py), as a reward server.
 
-Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.tasks:score [--tasks reverse,copy]
+Run: tailrace reward --connect tcp://127.0.0.1:5555 --fn tailrace.engine.data.tasks:score [--tasks reverse,copy]
  or: tailrace reward --connect tcp://127.0.0.1:5555 --config run.toml   (its reward.functions)
 The function is `score(prompt: str, completion: str, metadata: dict) -> float | dict`, sync or async.
 Without --tasks the server registers the function's `tasks` attribute when it has one (the built-in
@@ -17,8 +17,8 @@ import math
 import sys
 from typing import Any
 
-from tailrace.engine import reward_fns
-from tailrace.engine.reward_fns import load_function
+from tailrace.engine.core import reward_fns
+from tailrace.engine.core.reward_fns import load_function
 
 __all__ = ["load_function", "main", "score_function"]
 
@@ -41,7 +41,7 @@ def score_function(args: Any, overrides: list[str]) -> Any:
 
 def main(args: Any, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward %(levelname)s %(message)s")
-    from tailrace.engine.report import connect_failed
+    from tailrace.engine.core.report import connect_failed
     from tailrace.protocol.reward_sdk import serve
     from tailrace.protocol.transport import ConnectionLost, ConnectTimeout, Rejected, read_key, run
 

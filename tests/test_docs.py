@@ -91,8 +91,8 @@ def _python_block(page: Path, section: str) -> str:
 
 
 def test_the_from_scratch_tokenizer_recipe_builds_what_tailrace_loads(tmp_path, monkeypatch):
-    from tailrace.engine import models, preflight
-    from tailrace.engine.chat import ChatTemplate
+    from tailrace.engine.core import models, preflight
+    from tailrace.engine.data.chat import ChatTemplate
 
     monkeypatch.chdir(tmp_path)
     exec(compile(_python_block(ROOT / "docs" / "model-and-data.md", "A tokenizer for a model built from scratch"),

@@ -78,10 +78,10 @@ def test_transformers_builds_a_model_from_the_repository_root():
 @pytest.mark.parametrize("command", [[str(BIN / "pytest")], [sys.executable, "-m", "pytest"]],
                          ids=["pytest", "python -m pytest"])
 def test_pytest_runs_from_the_repository_root(command):
-    """tests/engine's conftest imports a helper as tests.engine.backend_harness: plain `pytest` too."""
+    """tests/engine's conftest imports a helper as tests.engine.generator.backend_harness: plain `pytest` too."""
     if not Path(command[0]).exists():
         pytest.skip("no pytest executable beside this interpreter")
-    done = subprocess.run([*command, "-q", "-p", "no:cacheprovider", "tests/engine/test_loss.py"], cwd=ROOT,
+    done = subprocess.run([*command, "-q", "-p", "no:cacheprovider", "tests/engine/trainer/test_loss.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1]
@@ -134,7 +134,7 @@ def test_newest_transformers_and_kernels_from_the_repository_root(tmp_path):
                          text=True, timeout=600)
     assert run.returncode == 0, f"{versions}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert "2 steps (reached train.steps = 2)" in run.stdout
-    tests = subprocess.run([str(vpython), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_replay.py"],
+    tests = subprocess.run([str(vpython), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/replay/test_replay.py"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, f"{versions}\n{tests.stdout[-3000:]}\n{tests.stderr[-2000:]}"
 

@@ -1,16 +1,29 @@
 """The import graph, read with `ast` from the source files (every import, also those inside functions):
 dependencies point down, tools -> engine -> (kernels, protocol), as docs/architecture.md's "Layout and import names" says.
 
+    engine/*.py         entry points and config only: cli.py (`tailrace`), launch.py (`tailrace run`), api.py
+                        (`tailrace.run`), reward_server.py (`tailrace reward`), config.py. Nothing else is
+                        loose at the top: a new module goes into the folder of its kind.
+    engine/core/        shared types and utilities (samples, losses, models, weights, drafter, metrics,
+                        report, preflight, reward_fns, gc_freeze): imports nothing of engine/ but core/ and
+                        config.py.
+    engine/data/        what the trainer learns from (prompt sources, chat, DPO pairs, parquet rows, built-in
+                        tasks): imports only core/, data/ and config.py.
+    engine/eval/        suite.py, what an evaluation is, is shared like data/ (the trainer's in-run
+                        evaluation, trainer/in_run_eval.py, imports it); main.py (`tailrace eval`) is an
+                        entry point: it runs the generator's backend and the trainer's reward dispatcher in
+                        one process.
+    shared              config.py, core/, data/ and eval/suite.py import no role (trainer/, generator/,
+                        replay/) and no entry point; only the entry points do.
     engine/replay/      never imports engine/trainer/: the types both use (samples, prompt records, the
-                        SequenceLoss call and its normaliser) live below them, in engine/samples.py and
-                        engine/losses.py. engine/trainer/ may import engine/replay/: the learner runs the
+                        SequenceLoss call and its normaliser) live below them, in engine/core/samples.py and
+                        engine/core/losses.py. engine/trainer/ may import engine/replay/: the learner runs the
                         branch-replay strategies, so replay is a library the trainer uses, never the reverse.
     engine/trainer/     and engine/generator/ never import each other (they meet only on the wire); nor
                         does engine/replay/ import engine/generator/.
-    engine/*.py         the shared core (config, data, samples, losses, ...) imports none of engine's
-                        subpackages; only the command line does: cli.py, which dispatches to a role's
-                        main, launch.py (`tailrace run`), which runs the trainer's main in process
-                        when it is the only role (DPO), and evaluate.py (`tailrace eval`).
+    engine/generator/   speculation/ imports nothing of torch_backend/ or engine_backends/: the torch backend
+                        uses speculation, never the reverse; engine_backends/ (vLLM, SGLang) import nothing
+                        of torch_backend/ or speculation/.
     protocol/, kernels/ import nothing of engine/.
     engine/, kernels/, protocol/ import nothing of tools/ (benchmark machinery stays in tools/).
     everywhere          the import names are tailrace.*: no bare `engine`, `kernels` or `protocol`.
@@ -28,8 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = ("engine", "kernels", "protocol")  # folders whose import names are tailrace.<folder>
 SCANNED = (*INSTALLED, "tools", "tests", "examples")
 COMMAND_LINE = "tailrace.engine.cli"
-# evaluate.py (`tailrace eval`) runs the generator's backend and the trainer's reward dispatcher in one process.
-ENTRY_POINTS = {COMMAND_LINE, "tailrace.engine.launch", "tailrace.engine.evaluate"}
+# The commands a user starts; eval/main.py (`tailrace eval`) runs the generator's backend and the trainer's
+# reward dispatcher in one process.
+ENTRY_POINTS = {COMMAND_LINE, "tailrace.engine.launch", "tailrace.engine.api", "tailrace.engine.reward_server",
+                "tailrace.engine.eval.main"}
+TOP_LEVEL_MODULES = {*(m for m in ENTRY_POINTS if m.count(".") == 2), "tailrace.engine.config"}
+ROLES = ("tailrace.engine.trainer", "tailrace.engine.generator", "tailrace.engine.replay")
 
 
 TOP_LEVEL = ROOT / "engine" / "_toplevel"  # the `tailrace` package itself (pyproject.toml's package-dir)
@@ -95,13 +112,43 @@ def test_roles_meet_only_on_the_wire(source, target):
     assert not violations(source, target)
 
 
-CORE = [m for m, path in MODULES.items() if path.parent == ROOT / "engine" and path.name != "__init__.py"]
+def test_engine_top_level_holds_entry_points_and_config():
+    loose = {m for m, path in MODULES.items() if path.parent == ROOT / "engine" and path.name != "__init__.py"}
+    assert loose == TOP_LEVEL_MODULES
 
 
-@pytest.mark.parametrize("subpackage", ["trainer", "generator", "replay"])
-def test_engine_core_imports_no_subpackage(subpackage):
-    found = [v for m in CORE if m not in ENTRY_POINTS for v in violations(m, f"tailrace.engine.{subpackage}")]
+def in_folder(folder: str) -> list[str]:
+    return [m for m in MODULES if within(m, f"tailrace.engine.{folder}")]
+
+
+SHARED = ["tailrace.engine.config", *in_folder("core"), *in_folder("data"), "tailrace.engine.eval.suite"]
+
+
+@pytest.mark.parametrize("folder, may_import", [
+    ("core", ("core", "config")),
+    ("data", ("core", "data", "config")),
+])
+def test_shared_folders_import_only_below(folder, may_import):
+    found = [f"{module}:{line} imports {name}" for module, name, line in EDGES
+             if within(module, f"tailrace.engine.{folder}") and within(name, "tailrace.engine")
+             and name != "tailrace.engine" and not any(within(name, f"tailrace.engine.{ok}") for ok in may_import)]
     assert not found
+
+
+@pytest.mark.parametrize("target", [*ROLES, *sorted(ENTRY_POINTS)])
+def test_shared_modules_import_no_role_and_no_entry_point(target):
+    found = [v for m in SHARED for v in violations(m, target)]
+    assert not found
+
+
+@pytest.mark.parametrize("source, target", [
+    ("tailrace.engine.generator.speculation", "tailrace.engine.generator.torch_backend"),
+    ("tailrace.engine.generator.speculation", "tailrace.engine.generator.engine_backends"),
+    ("tailrace.engine.generator.engine_backends", "tailrace.engine.generator.torch_backend"),
+    ("tailrace.engine.generator.engine_backends", "tailrace.engine.generator.speculation"),
+])
+def test_generator_folders_point_down(source, target):
+    assert not violations(source, target)
 
 
 @pytest.mark.parametrize("source", ["tailrace.protocol", "tailrace.kernels"])
@@ -143,5 +190,7 @@ def test_the_scan_sees_the_layout():
     """Guards the guard: the file walk finds the packages, and the resolver sees known edges."""
     assert {"tailrace.engine.replay", "tailrace.engine.trainer.learner", "tailrace.protocol.messages",
             "tailrace.kernels.logprobs", "tools.benches.modelled"} <= set(MODULES)
-    assert {"tailrace.engine.samples", "tailrace.engine.losses", "tailrace.engine.data", COMMAND_LINE} <= set(CORE)
+    assert {"tailrace.engine.core.samples", "tailrace.engine.core.losses", "tailrace.engine.data.prompt_sources",
+            "tailrace.engine.config", "tailrace.engine.eval.suite"} <= set(SHARED)
     assert ("tailrace.engine.trainer.learner", "tailrace.engine.replay") in {(m, n) for m, n, _ in EDGES}
+    assert ("tailrace.engine.data.prompt_sources", "tailrace.engine.core.samples") in {(m, n) for m, n, _ in EDGES}

@@ -2,7 +2,9 @@
 - the import names live under `tailrace.` (no top-level `engine`, `kernels`, `protocol`), so transformers never
   mistakes us for Hugging Face's `kernels` (a dependency of transformers >= 5.25), and both install side by
   side in one venv (tests/test_install.py covers the checkout's root on sys.path);
-- protocol/ imports nothing from engine/ or kernels/, and no torch unless a tensor is encoded or decoded.
+- protocol/ imports nothing from engine/ or kernels/, and no torch unless a tensor is encoded or decoded;
+- every folder with an __init__.py under engine/, kernels/, protocol/ is a package pyproject.toml lists, so
+  none is left out of the wheel.
 Run: pytest tests/test_packaging.py
 """
 
@@ -11,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +23,20 @@ def run_python(code: str, cwd) -> str:
     done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def test_every_package_folder_is_in_the_wheel():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setuptools["package-dir"]
+
+    def folder(package: str) -> Path:  # the folder a listed package is built from, by package-dir
+        mapped = max((p for p in package_dir if package == p or package.startswith(p + ".")), key=len)
+        return Path(package_dir[mapped], *package[len(mapped):].split(".")[1:])
+
+    listed = {folder(package) for package in setuptools["packages"]}
+    found = {init.parent.relative_to(REPO) for top in ("engine", "kernels", "protocol")
+             for init in (REPO / top).rglob("__init__.py") if ".venv" not in init.parts}
+    assert found == listed, f"not listed: {found - listed}; listed without a folder: {listed - found}"
 
 
 def test_transformers_sees_only_hugging_face_kernels(tmp_path):

@@ -33,7 +33,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from pin import canonical, read  # noqa: E402  (tools/ is not a package that is installed)
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_FILES = ("tests/engine/test_loss.py", "tests/engine/test_replay.py", "tests/protocol/test_codec.py",
+TEST_FILES = ("tests/engine/trainer/test_loss.py", "tests/engine/replay/test_replay.py", "tests/protocol/test_codec.py",
               "tests/kernels/test_logprobs.py")
 OPTIONAL = ("vllm", "sglang")  # backends whose modules need their own venv (README: Generator backends)
 IMPORT_ALL = f"""

@@ -32,7 +32,7 @@ else
     echo "=== scale --ranks 2: skipped, $gpus GPU (NCCL needs a GPU per rank)"
 fi
 step 150 "vLLM backend suite (CUDA vLLM)" python -m pytest -q -p no:cacheprovider --timeout=140 \
-    tests/engine/test_backend_conformance.py tests/engine/test_vllm_backend.py tests/engine/test_vllm_speculation.py
+    tests/engine/generator/test_backend_conformance.py tests/engine/generator/engine_backends/test_vllm_backend.py tests/engine/generator/engine_backends/test_vllm_speculation.py
 step 210 "spec, 12-layer policy and 4-layer beside it, CUDA graphs vs eager" python tools/bench.py spec --workload longtail --quick --json
 step 90 "replay" python tools/bench.py replay --quick --json
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo all passed || echo FAILURES above)"

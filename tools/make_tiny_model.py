@@ -7,7 +7,7 @@
 
 The model (Llama architecture, 4 layers, hidden 128, 4 heads over 2 KV heads = grouped-query
 attention, tied embeddings, about 1M parameters, float32 safetensors of 4 MB) is trained with
-next-token loss on the answers of the built-in synthetic task (engine/tasks.py): clean answers
+next-token loss on the answers of the built-in synthetic task (engine/data/tasks.py): clean answers
 first, then a last phase on noisy answers (characters after the second replaced by a random letter
 with probability 0.7). The result is a reasonable but imperfect policy: sampled at temperature 1 its
 mean reward is about 0.45, samples of one prompt share their first answer tokens and then differ, and
@@ -62,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO_ROOT))
 
-from tailrace.engine import tasks  # noqa: E402  (pure Python; torch is imported in main())
+from tailrace.engine.data import tasks  # noqa: E402  (pure Python; torch is imported in main())
 
 # The long-tail policy's recipe (examples/tiny_longtail), as the docstring and docs/benchmarks.md give it.
 LONGTAIL_RECIPE = ("--task", "reverse_longtail", "--out", "examples/tiny_longtail", "--init", "examples/tiny",

@@ -29,7 +29,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
 
 def _instrument(seconds: dict, phase: list) -> None:
     """Accumulate thread CPU seconds per phase and keep the innermost phase's name in phase[-1]."""
-    from tailrace.engine.generator import backend, speculative
+    from tailrace.engine.generator.speculation import speculative
+    from tailrace.engine.generator.torch_backend import backend
 
     targets = [(speculative.SpeculativeDecoder, "_draft", "draft"), (speculative.SpeculativeDecoder, "_verify", "verify"),
                (speculative.SpeculativeDecoder, "commit", "commit"), (speculative, "accept_drafts_q_probs", "accept"),
@@ -60,10 +61,10 @@ def main() -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tailrace.engine.drafter import Drafter
-    from tailrace.engine.generator.backend import Request, TorchBackend
-    from tailrace.engine.generator.speculative import FixedDepth
-    from tailrace.engine.models import load_model
+    from tailrace.engine.core.drafter import Drafter
+    from tailrace.engine.core.models import load_model
+    from tailrace.engine.generator.speculation.speculative import FixedDepth
+    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
     from tailrace.protocol.messages import SamplingParams
 
     class CountOps(TorchDispatchMode):

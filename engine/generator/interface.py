@@ -10,8 +10,8 @@ Backends: torch (backend.TorchBackend, built in), vllm (vllm_backend.VLLMBackend
 (sglang_backend.SGLangBackend), and the benchmark's modelled one (tools/benches/modelled.py). Each owns
 its model loading: load_backend(cfg) is all the service calls. The drafter's speculative decoding and
 tree sampling are torch-only (SpeculationHooks); the vLLM backend speculates with vLLM's own
-speculative_config instead (vllm_backend.py); config validation refuses speculation elsewhere.
-Test: pytest tests/engine/test_backend_conformance.py (the vLLM half needs vllm installed)
+speculative_config instead (engine_backends/vllm_backend.py); config validation refuses speculation elsewhere.
+Test: pytest tests/engine/generator/test_backend_conformance.py (the vLLM half needs vllm installed)
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ put modelled compute there (tools/benches/modelled.py)."""
 
 def torch_backend(cfg: RunConfig) -> Backend:
     """The built-in torch backend on the run's model, tree sampling on where generator.fork_depths asks."""
-    from tailrace.engine import models
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.tree import TreeSampling
+    from tailrace.engine.core import models
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
+    from tailrace.engine.generator.torch_backend.tree import TreeSampling
 
     model_path = cfg.model.path or "tiny"
     tokenizer = models.load_tokenizer(model_path)
@@ -106,11 +106,11 @@ def load_backend(cfg: RunConfig) -> Backend:
     if name == "torch":
         return torch_backend(cfg)
     if name == "vllm":
-        from tailrace.engine.generator.vllm_backend import vllm_backend
+        from tailrace.engine.generator.engine_backends.vllm_backend import vllm_backend
 
         return vllm_backend(cfg)
     if name == "sglang":
-        from tailrace.engine.generator.sglang_backend import sglang_backend
+        from tailrace.engine.generator.engine_backends.sglang_backend import sglang_backend
 
         return sglang_backend(cfg)
     raise ValueError(f"generator.backend: unknown backend {name!r}")

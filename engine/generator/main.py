@@ -12,8 +12,8 @@ import math
 import sys
 from typing import Any
 
-from tailrace.engine import preflight, report
 from tailrace.engine.config import load_config
+from tailrace.engine.core import preflight, report
 
 
 def main(args: Any, overrides: list[str], *, make_backend: Any = None) -> int:

@@ -1,7 +1,7 @@
 """What goes into a backend and what comes out: requests (one sample each), weights, finished samples,
-and the backend's counters. Kept apart from backend.py so that code handling samples (the generator
-service, the modelled backend of tools/benches/modelled.py) needs no decoding machinery.
-Test: pytest tests/engine/test_backend.py
+and the backend's counters. Kept apart from torch_backend/backend.py so that code handling samples (the
+generator service, the modelled backend of tools/benches/modelled.py) needs no decoding machinery.
+Test: pytest tests/engine/generator/torch_backend/test_backend.py
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ distribution is one-hot on the argmax, so a greedy token's behaviour log-prob is
 
 Randomness: one uniform per row per draw, from a CPU torch.Generator per row (a seeded request owns
 its generator, so its tokens do not depend on what else is in the batch or on the device).
-Test: pytest tests/engine/test_sampling.py
+Test: pytest tests/engine/generator/test_sampling.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ exported into a small local WeightsStore and announced to the trainer (WeightsNo
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
 drafter announced by the trainer is fetched like policy weights and adopted between steps.
 
-`decide` is pure and tested on CPU with fakes (tests/engine/test_generator_decide.py).
+`decide` is pure and tested on CPU with fakes (tests/engine/generator/test_generator_decide.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailrace.engine import heap
 from tailrace.engine.config import RunConfig
+from tailrace.engine.core import gc_freeze
+from tailrace.engine.core.weights import WeightsAssembler, WeightsStore
 from tailrace.engine.generator.spans import idle_state, record_step, step_marks
-from tailrace.engine.weights import WeightsAssembler, WeightsStore
 from tailrace.protocol import messages as m
 from tailrace.protocol.telemetry import SpanBuffer
 
@@ -117,9 +117,9 @@ class GeneratorService:
         self.spot_thread: ThreadPoolExecutor | None = None
         drafters = speculation_drafters(cfg, self.backend)
         if drafters:
-            from tailrace.engine.drafter import load_or_create
-            from tailrace.engine.generator.bandit import SpecBandit, arms_for
-            from tailrace.engine.generator.spot import SpotTrainer
+            from tailrace.engine.core.drafter import load_or_create
+            from tailrace.engine.generator.speculation.bandit import SpecBandit, arms_for
+            from tailrace.engine.generator.speculation.drafter_training import SpotTrainer
 
             # Model-free drafts alone (auto on a CPU without a drafter_path) need no drafter model.
             drafter = (load_or_create(cfg.generator.drafter_path or None, self.backend.model)
@@ -159,7 +159,7 @@ class GeneratorService:
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
-        async with heap.frozen(), self.client:  # as the trainer: no full GC pass walks the start-up heap
+        async with gc_freeze.frozen(), self.client:  # as the trainer: no full GC pass walks the start-up heap
             welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=self.connect_for_s,
                                                 waiting_every_s=WAITING_EVERY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
@@ -442,7 +442,7 @@ class GeneratorService:
             "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
         }
         if self.bandit is not None:
-            from tailrace.engine.generator.speculative import telemetry
+            from tailrace.engine.generator.speculation.speculative import telemetry
 
             counters.update(telemetry(self.backend, self.bandit, *[self.spot] * (self.spot is not None)))
             counters["generator/drafter/shared_rejected"] = self.drafters_rejected

@@ -4,7 +4,7 @@
     marks = step_marks(backend); finished = backend.step(); record_step(spans, backend, marks, len(finished))
 
 Only counters the backend keeps anyway are read (BackendStats, SpecStats), so a step costs two list appends.
-Test: pytest tests/engine/test_spans.py
+Test: pytest tests/engine/generator/test_spans.py
 """
 
 from __future__ import annotations

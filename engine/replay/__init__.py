@@ -5,11 +5,11 @@
     attention.py  exact attention over trie paths (CPU flash kernels, split-KV backward)
     replay.py     `replay`: depth-first, each segment once, prefix gradients restored (the default mode)
     packed.py     `packed`: whole tries as one sequence with a tree mask; `auto` picks one of the two
-    dpo.py        DPO over a chosen/rejected pair sharing its prompt
+    dpo_loss.py   DPO's loss over a chosen/rejected pair sharing its prompt
 
 STRATEGIES maps the learner's `replay` names to factories from a LearnerConfig. This package imports
-nothing of engine/trainer (the loss types it shares with the learner are in engine/losses.py), so the
-learner imports it directly. Test: pytest tests/engine/test_trie.py tests/engine/test_replay.py
+nothing of engine/trainer (the loss types it shares with the learner are in engine/core/losses.py), so the
+learner imports it directly. Test: pytest tests/engine/replay/test_trie.py tests/engine/replay/test_replay.py
 """
 
 from __future__ import annotations

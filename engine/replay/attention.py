@@ -11,7 +11,7 @@ share it), merged by log-sum-exp; its custom backward runs each part's flash bac
 output and log-sum-exp (the split-KV identity) and sums key/value gradients in float32 or wider. Nothing
 but the inputs, the output and the log-sum-exp is kept for backward. Sliding windows and other devices
 take a per-segment gather + masked SDPA under autograd.
-Test: pytest tests/engine/test_replay.py (replay and packed vs naive gradients)
+Test: pytest tests/engine/replay/test_replay.py (replay and packed vs naive gradients)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ tree mask. Both call the model's own submodules (projections, q/k norms, MLP, RM
 embedding), so weights and numerics are the model's; only which keys a query sees differs from a plain
 forward. Each call runs as the forward of the root and each layer as its layer's (models.run_as_forward),
 so FSDP2's unshard and gradient hooks see it. Families: Llama, Mistral, Qwen2, Qwen3 (GQA, RoPE, sliding windows measured along the path).
-Test: pytest tests/engine/test_replay.py
+Test: pytest tests/engine/replay/test_replay.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailrace.engine.models import SUPPORTED_MODEL_TYPES, run_as_forward
+from tailrace.engine.core.models import SUPPORTED_MODEL_TYPES, run_as_forward
 from tailrace.engine.replay.attention import SegmentRows, paths_attention, tree_attention_cpu
 from tailrace.kernels.logprobs import chunked_logprobs
 from tailrace.kernels.tree_attention import TRITON_DTYPES

@@ -20,7 +20,7 @@ is chosen when its largest pack's activations fit the activation budget and it s
 PACKED_MIN_SAVING of replay's cost: many short branches (replay's per-call overhead dominates) favour
 packed; a long shared prompt with long tails costs the same both ways, and replay, which holds less
 memory, is kept.
-Test: pytest tests/engine/test_replay.py
+Test: pytest tests/engine/replay/test_replay.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailrace.engine.losses import LossNormaliser, SequenceLoss
+from tailrace.engine.core.losses import LossNormaliser, SequenceLoss
+from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay.attention import SegmentRows
 from tailrace.engine.replay.forward import (
     DecoderSpec,
@@ -46,7 +47,6 @@ from tailrace.engine.replay.replay import (
     unit_loss,
 )
 from tailrace.engine.replay.trie import Trie
-from tailrace.engine.samples import TrainSample
 
 UNIT_OVERHEAD_TOKENS = {"cpu": 64, "cuda": 1024}
 """A replay forward call's fixed cost (Python and small kernels in every layer, forward and backward), in

@@ -15,11 +15,11 @@ an ancestor closes only after all its descendants, so each leaf holds its full g
 closes: the parameter gradient is the naive per-sample one, up to rounding. Memory: the open path's
 keys/values and the kept forwards the budget allows (ReplayForwardBackward.activation_budget_bytes:
 keep an inner segment iff the kept ones + it + the largest single segment still fit; otherwise recompute
-it once at close). The loss is a SequenceLoss (engine/losses.py: the learner's StepLoss, or DPOLoss) on
+it once at close). The loss is a SequenceLoss (engine/core/losses.py: the learner's StepLoss, or DPOLoss) on
 logical rows (one per sample and completion position), so advantages, behaviour log-probs and
 normalisation are per original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
 never a [tokens, vocab] tensor.
-Test: pytest tests/engine/test_replay.py
+Test: pytest tests/engine/replay/test_replay.py
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
+from tailrace.engine.core.losses import LossNormaliser, SequenceLoss, add_stats
+from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay.attention import SegmentRows
 from tailrace.engine.replay.forward import (
     DecoderSpec,
@@ -42,7 +43,6 @@ from tailrace.engine.replay.forward import (
     segment_forward,
 )
 from tailrace.engine.replay.trie import Trie, build_trie
-from tailrace.engine.samples import TrainSample
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 

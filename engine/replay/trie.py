@@ -9,7 +9,7 @@ Loss rows are logical, one per (sample, completion position), attached to the no
 token (its parent on the sample's path). A node with several children predicts a different token in each
 (the branching-token rule): one hidden state, several labels. Rows that share (node, label, temperature)
 share one log-prob computation, the "LM rows".
-Test: pytest tests/engine/test_trie.py
+Test: pytest tests/engine/replay/test_trie.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tailrace.engine.samples import TrainSample
+from tailrace.engine.core.samples import TrainSample
 
 
 @dataclass

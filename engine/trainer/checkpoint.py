@@ -10,7 +10,7 @@ Every rank calls save and load. DCP stores each tensor's shards with their globa
 saved on N ranks resumes on M (2 -> 1, 1 -> 2). A checkpoint is written into ROOT/.tmp-step_N and
 renamed into place, so a crash never leaves a half-written step_N; only the newest `keep_last` are kept.
 The .pt files are our own local files, never network input, and are still read with weights_only=True.
-Test: pytest tests/engine/test_checkpoint.py tests/engine/test_dist.py
+Test: pytest tests/engine/trainer/test_checkpoint.py tests/engine/trainer/test_dist.py
 """
 
 from __future__ import annotations

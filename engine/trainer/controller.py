@@ -8,7 +8,7 @@
 
 Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
 they return. Every sample handed out ends as trained or discarded with a reason (docs/operating.md);
-`check_accounting` proves it and raises AccountingError when it does not hold. Test: pytest tests/engine/test_controller.py
+`check_accounting` proves it and raises AccountingError when it does not hold. Test: pytest tests/engine/trainer/test_controller.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailrace.engine.samples import PromptRecord
+from tailrace.engine.core.samples import PromptRecord
 
 
 class AccountingError(RuntimeError):

@@ -12,7 +12,7 @@
 Why one gather per step: branch-replay's depth-first order of forwards and backwards depends on each rank's
 tries, so per-layer collectives would not line up across ranks; gathering once makes a rank's local work
 free of collectives. Parameters and optimizer state stay sharded between steps. Test:
-pytest tests/engine/test_dist.py (real ranks under torchrun, gloo)
+pytest tests/engine/trainer/test_dist.py (real ranks under torchrun, gloo)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from tailrace.engine.config import FSDPConfig
-from tailrace.engine.models import RUN_METHOD
+from tailrace.engine.core.models import RUN_METHOD
 
 T = TypeVar("T")
 _COMMAND_TIMEOUT = datetime.timedelta(days=365)  # followers wait for rank 0's next step this long

@@ -9,7 +9,7 @@ checks them and republishes the good ones to every generator (protocol/SPEC.md, 
     publish   the drafter is served as version v to every generator and on the notice socket, and saved
               with every checkpoint; a resumed trainer serves it again (after the same checks)
 
-The layout a drafter must have is derived from the policy itself (engine/drafter.py
+The layout a drafter must have is derived from the policy itself (engine/core/drafter.py
 expected_state), never from what was uploaded before. A refused upload is logged and counted
 (trainer/drafter/rejected and .../rejected/<reason>) and nothing of it is kept. Test:
 pytest tests/engine/test_drafter_sharing.py
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tailrace.engine.weights import WeightsAssembler, WeightsStore, check_same_layout, num_bytes
+from tailrace.engine.core.weights import WeightsAssembler, WeightsStore, check_same_layout, num_bytes
 from tailrace.protocol import messages as m
 
 log = logging.getLogger("tailrace.trainer")
@@ -44,7 +44,7 @@ class DrafterRelay:
         self.server: Any = None
         self.reference: dict[str, torch.Tensor] | None = None  # meta tensors: what an upload must be
         if policy is not None:
-            from tailrace.engine.drafter import expected_state  # the layout only
+            from tailrace.engine.core.drafter import expected_state  # the layout only
 
             self.reference = expected_state(policy)
         self.fetch: tuple[bytes, WeightsAssembler] | None = None  # (source peer id, its chunks so far)

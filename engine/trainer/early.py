@@ -2,8 +2,8 @@
 their forward/backward at once (Learner.accumulate), while the step's other groups are still generated,
 so that when the last one arrives only its own forward/backward and the optimizer step remain. The policy
 version does not change until that optimizer step, so staleness is what it would be without this, and the
-gradient is the same (tests/engine/test_learner_accumulate.py). train.early_backward false turns it off (a
-batch barrier: the synchronous baseline of tools/bench.py pipeline). Test: tests/engine/test_controller_schedule.py
+gradient is the same (tests/engine/trainer/test_learner_accumulate.py). train.early_backward false turns it off (a
+batch barrier: the synchronous baseline of tools/bench.py pipeline). Test: tests/engine/trainer/test_controller_schedule.py
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """What the trainer takes in from generators: the checks a rollout passes before it is scored, and the
 scored samples of a complete group as the learner's Group. Pure functions over messages and controller
-state. Test: pytest tests/engine/test_trainer_service.py (rollouts refused with a reason).
+state. Test: pytest tests/engine/trainer/test_trainer_service.py (rollouts refused with a reason).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tailrace.engine.samples import Group
+from tailrace.engine.core.samples import Group
 from tailrace.engine.trainer.controller import GroupState
 from tailrace.protocol import messages as m
 

@@ -7,7 +7,7 @@
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
 micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
-Test: pytest tests/engine/test_learner.py
+Test: pytest tests/engine/trainer/test_learner.py
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from tailrace.engine.config import FSDPConfig, LoRAConfig
-from tailrace.engine.losses import LossNormaliser, SequenceLoss, add_stats
-from tailrace.engine.models import run_as_forward
+from tailrace.engine.core.losses import LossNormaliser, SequenceLoss, add_stats
+from tailrace.engine.core.models import run_as_forward
+from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.trainer import dist, lora, ppo
 from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
 from tailrace.kernels.logprobs import chunked_logprobs

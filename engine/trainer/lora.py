@@ -9,7 +9,7 @@
                                 adapter_model.safetensors) that PeftModel.from_pretrained(base, ...) loads
 
 The base weights are never merged in place (merge + unmerge would round them each step). peft is an
-optional extra: pip install 'tailrace[lora]'. Test: pytest tests/engine/test_lora.py
+optional extra: pip install 'tailrace[lora]'. Test: pytest tests/engine/trainer/test_lora.py
 """
 
 from __future__ import annotations

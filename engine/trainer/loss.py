@@ -4,9 +4,9 @@ Everything here works on flat per-token tensors, one row per (sample, completion
 forward/backward strategy (naive micro-batches now, branch-replay or packed tries later) can call the
 loss on whatever rows it has, with each row's own sample's advantage and behaviour log-prob. The loss is
 a sum of per-token terms times per-token weights fixed by the whole step (`LossNormaliser`, in
-engine/losses.py with the SequenceLoss call that strategies make), so the sum
+engine/core/losses.py with the SequenceLoss call that strategies make), so the sum
 over any partition of the step's rows gives the same loss and gradient.
-Test: pytest tests/engine/test_loss.py
+Test: pytest tests/engine/trainer/test_loss.py
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tailrace.engine.losses import LossNormaliser
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import Group, TrainSample
 
 AGGREGATIONS = ("token_mean", "sample_mean")
 
@@ -187,7 +187,7 @@ def finalize_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
 
 class StepLoss:
     """GRPO's loss of one step's samples, callable on any subset of their (sample, position) rows
-    (engine/losses.py SequenceLoss).
+    (engine/core/losses.py SequenceLoss).
 
     Built once per step from the samples this rank trains (index i means samples[i]); a strategy calls it
     with the log-probs it computed and which rows they are. ref/prox_logprobs: optional per-sample [T]

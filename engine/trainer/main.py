@@ -4,7 +4,7 @@ Run: tailrace trainer [--config FILE] [--train.steps 10] [--resume] [--nproc N]
 --nproc N > 1 re-executes itself under `torchrun --standalone --nproc-per-node N`; under torchrun every
 rank builds the (FSDP2-sharded) learner, rank 0 alone speaks the protocol and the others follow it
 (engine/trainer/ranks.py). With train.algorithm = "dpo" the trainer trains on preference pairs alone
-(engine/trainer/dpo.py), on one rank.
+(engine/trainer/dpo_loop.py), on one rank.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import preflight, report
 from tailrace.engine.config import load_config
+from tailrace.engine.core import preflight, report
 
 
 def torchrun_argv(nproc: int, args: Any, overrides: list[str]) -> list[str]:
@@ -58,7 +58,7 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
         if cfg.train.algorithm == "dpo":  # preference pairs from data.source: no peers, no protocol
             if info.world_size > 1:
                 raise ValueError("train.algorithm = dpo trains on one rank: run without torchrun")
-            from tailrace.engine.trainer.dpo import DPOTrainer
+            from tailrace.engine.trainer.dpo_loop import DPOTrainer
 
             role = DPOTrainer(cfg, resume=args.resume)
         elif info.world_size == 1:
@@ -87,7 +87,7 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
 
 def _run_ranks(cfg: Any, resume: bool, make_learner: Any, rank: int) -> dict | None:
     """Rank 0: the service with a Leader learner; the others: the same learner, following rank 0."""
-    from tailrace.engine import models
+    from tailrace.engine.core import models
     from tailrace.engine.trainer import checkpoint, ranks
     from tailrace.engine.trainer.learner import Learner
     from tailrace.engine.trainer.runs import learner_config, make_run_dir

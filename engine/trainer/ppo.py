@@ -11,7 +11,7 @@ The ratio exp(logp - prox) is clipped against the proximal policy, the policy at
 importance weight exp(prox - behaviour) still corrects the generator's staleness. The first part's first
 pass runs that policy itself: its ratio is exactly 1 and its log-probs are recorded there (RecordingLoss)
 for the later epochs, so with one part no extra forward runs; with one update per step nothing changes.
-Test: pytest tests/engine/test_ppo.py
+Test: pytest tests/engine/trainer/test_ppo.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import torch
 
-from tailrace.engine.losses import LossNormaliser
+from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.loss import STAT_KEYS, StepLoss, finalize_metrics
 
@@ -56,7 +56,7 @@ def split_like(flat: Sequence[T] | None, parts: Sequence[Sequence[object]]) -> l
 
 
 class RecordingLoss:
-    """A StepLoss (engine/losses.py SequenceLoss) that also keeps the detached log-prob of every row it is
+    """A StepLoss (engine/core/losses.py SequenceLoss) that also keeps the detached log-prob of every row it is
     called on; a strategy computes each (sample, position) row once per pass."""
 
     def __init__(self, loss_fn: StepLoss) -> None:

@@ -7,7 +7,7 @@ which only reads the weights: the controller moves to the new version at once, s
 names it and a generator starts that work once the version reached it. Whatever changes the weights or
 needs them served (the next optimizer step, evaluation, a checkpoint, the end of the run) first awaits
 published(). With several ranks every rank joins the gather, in the order of rank 0's calls, so nothing
-overlaps it. Test: tests/engine/test_trainer_service.py
+overlaps it. Test: tests/engine/trainer/test_trainer_service.py
 """
 
 from __future__ import annotations

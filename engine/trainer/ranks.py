@@ -9,7 +9,7 @@
 Commands and batches travel on dist.command_group() (gloo, no deadline: followers wait there as long as
 rank 0 waits for rollouts); a step's FSDP collectives run on the default group, whose timeout turns a
 dead or stuck rank into an error. A batch crosses as tensors (ids, log-probs, versions, per-sample
-numbers), never pickled: it came from the network. Test: pytest tests/engine/test_dist.py
+numbers), never pickled: it came from the network. Test: pytest tests/engine/trainer/test_dist.py
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import dist
 
 log = logging.getLogger("tailrace.trainer")

@@ -3,7 +3,7 @@
     runs/<name>/config.toml    the resolved config (make_run_dir)
     runs/<name>/metrics.jsonl  one line per step; after a resume, the lines of steps past the checkpoint
                                (logged before a crash, trained again) are dropped (keep_metrics_up_to)
-Test: pytest tests/engine/test_launch.py tests/engine/test_dpo.py
+Test: pytest tests/engine/test_launch.py tests/engine/trainer/test_dpo.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Scoring completions on the trainer: attached reward servers for the tasks they register, built-in
-reward functions (engine/tasks.py) for the rest.
+reward functions (engine/data/tasks.py) for the rest.
 
     reward.mode = "auto":    a server that scores the task if one is attached, else the built-in function
     reward.mode = "servers": only servers
@@ -12,7 +12,7 @@ A reward function or server may return a dict, {"reward": r, "exact": e}: score_
 other entries too, which the trainer logs per step (trainer/reward/details/<key>, mean and count).
 
 A completion that cannot be scored raises ScoringFailed with the reason the controller counts it
-under (reward_error, reward_timeout, reward_nan, no_reward_server, no_reward_fn). Test: pytest tests/engine/test_scoring.py
+under (reward_error, reward_timeout, reward_nan, no_reward_server, no_reward_fn). Test: pytest tests/engine/trainer/test_scoring.py
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class RewardDispatcher:
         self.cfg = cfg
         self.router = router
         if builtin is None:
-            from tailrace.engine.tasks import REWARD_FNS
+            from tailrace.engine.data.tasks import REWARD_FNS
 
             builtin = REWARD_FNS
         # reward.functions run on a reward server: a built-in function scoring a task before that server

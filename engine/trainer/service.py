@@ -12,7 +12,7 @@
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
 Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/drafters.py, which checks,
-fetches and republishes them. Evaluation (eval.every_steps): engine/trainer/evaluation.py.
+fetches and republishes them. Evaluation (eval.every_steps): engine/trainer/in_run_eval.py.
 
 Priority in the train loop: stop, then publish new weights, then admit work. Rank 0 alone speaks the
 protocol; the other ranks follow it (engine/trainer/ranks.py). Test: pytest tests/engine/test_end_to_end.py
@@ -33,21 +33,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine import heap, models, preflight, report
 from tailrace.engine.config import RunConfig
-from tailrace.engine.data import PromptSource
-from tailrace.engine.metrics import make_sink
-from tailrace.engine.samples import PromptRecord, TrainSample
+from tailrace.engine.core import gc_freeze, models, preflight, report
+from tailrace.engine.core.metrics import make_sink
+from tailrace.engine.core.samples import PromptRecord, TrainSample
+from tailrace.engine.core.weights import WeightsStore
+from tailrace.engine.data.prompt_sources import PromptSource
 from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
-from tailrace.engine.trainer.evaluation import Evaluator
+from tailrace.engine.trainer.in_run_eval import Evaluator
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed, reward_detail_metrics
 from tailrace.engine.trainer.trace import TraceLog
-from tailrace.engine.weights import WeightsStore
 from tailrace.protocol import messages as m
 from tailrace.protocol.telemetry import SpanBuffer
 
@@ -169,7 +169,7 @@ class TrainerService:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
         self.drafters.server = self.server
-        async with heap.frozen(), self.server:  # no full GC pass walks the start-up heap while serving
+        async with gc_freeze.frozen(), self.server:  # no full GC pass walks the start-up heap while serving
             router = None
             if self.cfg.reward.mode != "builtin":
                 from tailrace.protocol.reward_sdk import RewardRouter
@@ -269,7 +269,7 @@ class TrainerService:
         self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
         await publish.begin(self)  # version V+1 out to the generators (publish.py)
-        if self.evaluator.due(self.learner.step_count):  # engine/trainer/evaluation.py: waits for it
+        if self.evaluator.due(self.learner.step_count):  # engine/trainer/in_run_eval.py: waits for it
             await publish.published(self)
             metrics |= await self.evaluator.run(self, self.learner.step_count)
         self.sink.log(self.learner.step_count, metrics)

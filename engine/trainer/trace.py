@@ -8,7 +8,7 @@ One JSON object a line, flushed per batch so tools can tail it (tools/timeline.p
     {"kind": "event", "role": "trainer", "name": "trainer", "event": "stall", "text": ..., "wall_s": ...}
 
 Only the counters a timeline draws are kept (queues, running batch, staleness, in flight), so that the
-file grows with what happened, not with the number of metrics. Test: pytest tests/engine/test_trace.py
+file grows with what happened, not with the number of metrics. Test: pytest tests/engine/generator/test_spans.py (the trace file)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
                    while it lasts; Event "stall_over" when training resumes.
 
 `diagnose` is pure (tested with fakes); `watch` is the loop the trainer service runs.
-Test: pytest tests/engine/test_watchdog.py
+Test: pytest tests/engine/trainer/test_watchdog.py
 """
 
 from __future__ import annotations

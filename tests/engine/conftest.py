@@ -3,7 +3,7 @@ on a CPU), None where vllm is not installed."""
 
 import pytest
 
-from tests.engine.backend_harness import HAS_VLLM, make_llm
+from tests.engine.generator.backend_harness import HAS_VLLM, make_llm
 
 
 @pytest.fixture(scope="session")

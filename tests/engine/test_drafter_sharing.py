@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.config import load_config
-from tailrace.engine.drafter import Drafter
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.core.weights import WeightsAssembler, WeightsStore
 from tailrace.engine.generator import service as gen_service
 from tailrace.engine.generator.service import GeneratorService
-from tailrace.engine.generator.spot import SpotTrainer
+from tailrace.engine.generator.speculation.drafter_training import SpotTrainer
 from tailrace.engine.trainer.drafters import DRAFTER_FILE
 from tailrace.engine.trainer.service import TrainerService
-from tailrace.engine.weights import WeightsAssembler, WeightsStore
 from tailrace.protocol import messages as m
 from tailrace.protocol.transport import Client
 

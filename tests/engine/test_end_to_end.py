@@ -68,7 +68,7 @@ def test_trainer_generator_reward_processes(tmp_path):
         address = endpoint["address"]
         procs.append(_start(["generator", "--connect", address, "--name", "gen-0", *SMALL_RUN],
                             tmp_path / "gen.log"))
-        procs.append(_start(["reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--name", "r0"],
+        procs.append(_start(["reward", "--connect", address, "--fn", "tailrace.engine.data.tasks:score", "--name", "r0"],
                             tmp_path / "reward.log"))
         top = subprocess.run([sys.executable, str(ROOT / "tools" / "top.py"), "--connect", address, "--once", "--json",
                               "--window-s", "1.5"], capture_output=True, text=True, timeout=60, env=_env())

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.engine import models, preflight, tasks
+from tailrace.engine.core import models, preflight
+from tailrace.engine.data import tasks
 from tools import make_tiny_model
 
 

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tailrace.engine import cli, preflight, report
+from tailrace.engine import cli
 from tailrace.engine.config import RunConfig, commented_toml, from_dict, load_config
+from tailrace.engine.core import preflight, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,7 +138,7 @@ def test_a_tokenizer_that_does_not_round_trip_gets_a_warning_naming_model_and_ex
     warning = preflight.round_trip_warning(SpaceDroppingTokenizer(), "/models/char-qwen")
     assert "/models/char-qwen" in warning and repr(preflight.ROUND_TRIP_EXAMPLE) in warning
     assert "'helloworld,12+30=42'" in warning
-    from tailrace.engine.models import load_tokenizer
+    from tailrace.engine.core.models import load_tokenizer
 
     assert preflight.round_trip_warning(load_tokenizer("tiny"), "") is None
 
@@ -230,7 +231,7 @@ async def test_a_reward_server_started_first_says_it_waits_then_attaches(caplog)
 @pytest.mark.timeout(60)
 def test_reward_cli_with_a_deadline_and_no_trainer_says_so_in_one_line(tmp_path):
     address = f"tcp://127.0.0.1:{_free_port()}"
-    proc = _tailrace("reward", "--connect", address, "--fn", "tailrace.engine.tasks:score", "--connect-timeout-s", "3",
+    proc = _tailrace("reward", "--connect", address, "--fn", "tailrace.engine.data.tasks:score", "--connect-timeout-s", "3",
                      cwd=tmp_path)
     out, _ = proc.communicate(timeout=50)
     assert proc.returncode == 1, out

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tailrace.engine.config import load_config
-from tailrace.engine.samples import PromptRecord, TrainSample
+from tailrace.engine.core.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import trained_log
 from tailrace.engine.trainer.controller import Controller
 from tailrace.engine.trainer.service import TrainerService

@@ -1,6 +1,6 @@
 """No full garbage collection stalls the serving trainer's loop (issue 15, max_loop_stall_ms): the trainer
 service runs in-process with its loop-lag probe, and while it serves, a full (generation 2) collection runs
-on its loop, as the interpreter runs one by itself once enough objects survive (engine/heap.py). Measured in
+on its loop, as the interpreter runs one by itself once enough objects survive (engine/core/gc_freeze.py). Measured in
 the faults benchmark, such a pass over the start-up heap (model, tokenizer, torch, transformers) held the
 loop for ~200 ms of CPU. Each repeat reads the probe's lag and the loop thread's CPU time of the pass; the
 smallest of REPEATS counts (a loaded machine adds lag by itself, a heap pass costs it every time).

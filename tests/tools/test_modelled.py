@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tools.benches.modelled as modelled_module
-from tailrace.engine.generator.backend import Request, TorchBackend
-from tailrace.engine.samples import Group, TrainSample
+from tailrace.engine.core.samples import Group, TrainSample
+from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 from tailrace.engine.trainer.learner import LearnerConfig
 from tailrace.protocol.messages import SamplingParams
 from tools.benches.modelled import (

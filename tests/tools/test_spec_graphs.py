@@ -10,7 +10,7 @@ from tools.benches import spec
 
 
 def test_the_race_runs_both_backends_over_every_request():
-    from tailrace.engine.models import load_tokenizer
+    from tailrace.engine.core.models import load_tokenizer
 
     torch.set_num_threads(1)
     prompts = spec._prompts(load_tokenizer("tiny"), 1, seed=2, min_chars=20)

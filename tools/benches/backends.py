@@ -31,7 +31,8 @@ def _sizes(quick: bool) -> dict:
 
 
 def _workload(num_prompts: int, group_size: int, max_new_tokens: int):
-    from tailrace.engine import models, tasks
+    from tailrace.engine.core import models
+    from tailrace.engine.data import tasks
     from tailrace.engine.generator.requests import Request
     from tailrace.protocol.messages import SamplingParams
 
@@ -93,9 +94,9 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
-    from tailrace.engine import models
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.vllm_backend import VLLMBackend, build_llm
+    from tailrace.engine.core import models
+    from tailrace.engine.generator.engine_backends.vllm_backend import VLLMBackend, build_llm
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
 
     sizes = _sizes(quick)
     load_before = os.getloadavg()[0]

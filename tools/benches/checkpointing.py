@@ -73,10 +73,10 @@ def run(quick: bool, log: Callable[[str], None]) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tailrace.engine.config import FSDPConfig
-    from tailrace.engine.losses import LossNormaliser
+    from tailrace.engine.core.losses import LossNormaliser
+    from tailrace.engine.core.samples import TrainSample
     from tailrace.engine.replay.packed import PackedForwardBackward
     from tailrace.engine.replay.replay import ReplayForwardBackward
-    from tailrace.engine.samples import TrainSample
     from tailrace.engine.trainer import dist
     from tailrace.engine.trainer.learner import NaiveForwardBackward
     from tailrace.engine.trainer.loss import LossConfig, StepLoss

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from tailrace.engine.cli import parse_args
-from tailrace.engine.generator.backend import TorchBackend
+from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.generator.interface import torch_backend
 from tailrace.engine.generator.main import main as generator_main
 from tailrace.engine.generator.requests import (
@@ -56,7 +56,7 @@ from tailrace.engine.generator.requests import (
     check_request,
     drain_by_stepping,
 )
-from tailrace.engine.samples import Group, TrainSample, flatten_samples
+from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.engine.trainer.learner import Learner, LearnerConfig, plan_micro_batches
 from tailrace.engine.trainer.main import main as trainer_main
 

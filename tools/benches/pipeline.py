@@ -134,7 +134,7 @@ class Workload:
     group_size: int = 8
     max_new_tokens: int = 64
     max_batch_size: int = 32
-    model_path: str = ""  # "" = the shipped tiny model; a shipped name (engine/models.py) or a folder
+    model_path: str = ""  # "" = the shipped tiny model; a shipped name (engine/core/models.py) or a folder
     task: str = ""  # "" = the default task
     # The modelled modes cost sleeps, not CPU: enough steps that pipeline fill is small. The first step's
     # rollout overlaps nothing, and modelled_ratio_bound leaves it out: at 12 steps it was ~7% of a modelled
@@ -156,7 +156,7 @@ class Workload:
 
 def workload(name: str, quick: bool) -> Workload:
     """default: the default task on the shipped tiny model. longtail: like the papers' (response lengths
-    with p99 / median >= 8, rollout most of a synchronous step): the reverse_longtail task (engine/tasks.py),
+    with p99 / median >= 8, rollout most of a synchronous step): the reverse_longtail task (engine/data/tasks.py),
     max_new_tokens 256, on the shipped 12-layer policy trained on that task (examples/tiny_longtail, model
     name "tiny_longtail"; recipe in tools/make_tiny_model.py), 4 groups of 8 per step."""
     if name == "default":
@@ -178,7 +178,7 @@ def _preload(model_path: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from tailrace.engine import models
+    from tailrace.engine.core import models
 
     torch.set_num_threads(1)
     for module in ("tailrace.engine.cli", "tailrace.engine.trainer.main", "tailrace.engine.trainer.service",

@@ -40,7 +40,7 @@ def _prompts(cfg, tokenizer, count: int, seed: int, max_prompt_tokens: int) -> l
     """The first `count` prompts of the run's data stream with another seed, as the trainer makes them."""
     from dataclasses import replace
 
-    from tailrace.engine.data import PromptSource
+    from tailrace.engine.data.prompt_sources import PromptSource
 
     source = PromptSource(replace(cfg.data, seed=seed), tokenizer, max_prompt_tokens=max_prompt_tokens)
     return [next(source) for _ in range(count)]
@@ -49,7 +49,7 @@ def _prompts(cfg, tokenizer, count: int, seed: int, max_prompt_tokens: int) -> l
 def measure_decode(cfg, model, prompts, steps: int) -> tuple[dict[int, list[float]], list, float]:
     """CPU seconds of decode steps at every batch size (eos off, so the batch stays full), prefill
     points (padded tokens, seconds), and the wall / CPU time ratio seen (contention)."""
-    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 
     size_max, max_len = cfg.generator.max_batch_size, model.config.max_position_embeddings
     sampling = _sampling(cfg, [], max_new_tokens=steps + 1)
@@ -86,8 +86,8 @@ def measure_decode(cfg, model, prompts, steps: int) -> tuple[dict[int, list[floa
 
 def measure_completions(cfg, model, tokenizer, prompts) -> list:
     """The real model's completions of the prompts, group_size samples each, sampled as the generator does."""
-    from tailrace.engine import models
-    from tailrace.engine.generator.backend import Request, TorchBackend
+    from tailrace.engine.core import models
+    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 
     backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size,
                            max_model_len=model.config.max_position_embeddings,
@@ -107,8 +107,9 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[
     groups of the real completions; then of forward/backward calls (Learner.accumulate) of those sizes,
     and (third) the CPU seconds of the step that follows each, when every group was accumulated: the
     optimizer's share."""
-    from tailrace.engine import models, tasks
-    from tailrace.engine.samples import Group, TrainSample, flatten_samples
+    from tailrace.engine.core import models
+    from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
+    from tailrace.engine.data import tasks
     from tailrace.engine.trainer.learner import Learner
     from tailrace.engine.trainer.runs import learner_config
     from tools.benches.modelled import train_tokens
@@ -151,7 +152,7 @@ def measure_costs(w: Workload, path: Path, quick: bool, log: Callable[[str], Non
     """Measure this machine's costs for workload `w` and write them to `path` (run in a child process)."""
     import torch
 
-    from tailrace.engine import models
+    from tailrace.engine.core import models
     from tools.benches.modelled import Completion, Costs, LinearCost, MeasuredCost
 
     torch.set_num_threads(1)  # as each role runs (launch.torch_threads)
@@ -199,10 +200,10 @@ def measure_spec_speedup(w: Workload, drafter_dir: Path, costs_path: Path, spec_
 
     import torch
 
-    from tailrace.engine import models
-    from tailrace.engine.drafter import Drafter
-    from tailrace.engine.generator.backend import Request, TorchBackend
-    from tailrace.engine.generator.bandit import SpecBandit, arms_for
+    from tailrace.engine.core import models
+    from tailrace.engine.core.drafter import Drafter
+    from tailrace.engine.generator.speculation.bandit import SpecBandit, arms_for
+    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
     from tools.benches.modelled import load_costs
     from tools.benches.spec import _decode_all, _race, _since, _snapshot
 
@@ -248,8 +249,8 @@ def pretrain_drafter(w: Workload, folder: Path, quick: bool, log: Callable[[str]
     trainer does, and save it to `folder` (run in a child process)."""
     import torch
 
-    from tailrace.engine import models
-    from tailrace.engine.drafter import Drafter
+    from tailrace.engine.core import models
+    from tailrace.engine.core.drafter import Drafter
     from tools.benches.spec import collect_traces, train_drafter
 
     torch.set_num_threads(1)

@@ -69,7 +69,7 @@ def bench_model(seed: int = 0, **shape):
 def _sample(group_id: int, i: int, prompt, completion, gen):
     import torch
 
-    from tailrace.engine.samples import TrainSample
+    from tailrace.engine.core.samples import TrainSample
 
     t = len(completion)
     return TrainSample(group_id=group_id, sample_id=i, prompt_ids=prompt, completion_ids=completion,
@@ -81,7 +81,7 @@ def prompt_group(group_id: int, group_size: int, prompt_len: int, median: int, s
     """One prompt, group_size completions of log-normal length (sigma 0.6, at least 8 tokens)."""
     import torch
 
-    from tailrace.engine.samples import Group
+    from tailrace.engine.core.samples import Group
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
@@ -96,7 +96,7 @@ def tree_group(group_id: int, prompt_len: int, branching: int, depth: int, segme
     segment/2..3*segment/2 tokens; one sample per leaf (prompt = trunk)."""
     import torch
 
-    from tailrace.engine.samples import Group
+    from tailrace.engine.core.samples import Group
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
@@ -158,8 +158,8 @@ def _warm_up(model, strategy, groups) -> None:
     """One small call (first-call allocations, lazy kernels), gradients discarded."""
     import torch
 
-    from tailrace.engine.losses import LossNormaliser
-    from tailrace.engine.samples import TrainSample
+    from tailrace.engine.core.losses import LossNormaliser
+    from tailrace.engine.core.samples import TrainSample
     from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
     small = [TrainSample(group_id=0, sample_id=i, prompt_ids=s.prompt_ids[:64], completion_ids=s.completion_ids[:8],
@@ -227,8 +227,8 @@ def run_scenario(name: str, quick: bool, log: Callable[[str], None], out_dir: st
     import torch
     from transformers import LlamaConfig
 
+    from tailrace.engine.core.samples import flatten_samples
     from tailrace.engine.replay.trie import build_trie
-    from tailrace.engine.samples import flatten_samples
 
     samples = flatten_samples(scenario_groups(name, quick))
     figures = flop_ideal(LlamaConfig(**TINY_SHAPE), samples, build_trie(samples))

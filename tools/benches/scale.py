@@ -65,7 +65,7 @@ def _replay_worker(quick: bool, out: str) -> None:
 def _naive_one_sample_worker(quick: bool, out: str) -> None:
     import torch
 
-    from tailrace.engine.losses import LossNormaliser
+    from tailrace.engine.core.losses import LossNormaliser
     from tailrace.engine.trainer.learner import NaiveForwardBackward
     from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
@@ -93,8 +93,8 @@ def _forked(target, quick: bool, out_dir: str, name: str) -> dict:
 
 def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
     if ranks > 1:  # the same step on 1 and on `ranks` trainer ranks (tools/benches/scale_ranks.py)
+        from tailrace.engine.core.samples import flatten_samples
         from tailrace.engine.replay.trie import build_trie
-        from tailrace.engine.samples import flatten_samples
         from tools.benches import scale_ranks
 
         trie = build_trie(flatten_samples(scale_groups(quick)))
@@ -103,9 +103,9 @@ def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
                 **scale_ranks.run(quick, ranks, log)}
     import torch  # noqa: F401  (imported once; the forked workers share it)
 
+    from tailrace.engine.core.samples import flatten_samples
     from tailrace.engine.replay.forward import activation_bytes_per_token
     from tailrace.engine.replay.trie import build_trie
-    from tailrace.engine.samples import flatten_samples
     from tailrace.engine.trainer.learner import LearnerConfig
 
     samples = flatten_samples(scale_groups(quick))

@@ -74,13 +74,13 @@ def _sizes(quick: bool) -> dict:
 
 def _groups(prompts, sampling) -> list:
     """GROUP_SIZE requests per prompt, a group's samples one after another (group id = prompt index)."""
-    from tailrace.engine.generator.backend import Request
+    from tailrace.engine.generator.torch_backend.backend import Request
 
     return [Request(g, i, p, sampling) for g, p in enumerate(prompts) for i in range(GROUP_SIZE)]
 
 
 def _prompts(tokenizer, num: int, seed: int, min_chars: int = 0) -> list[list[int]]:
-    from tailrace.engine import tasks
+    from tailrace.engine.data import tasks
 
     out = []
     for prompt in tasks.synthetic_prompts(seed=seed):
@@ -127,8 +127,8 @@ def _race(backends: dict, requests, keep_running: int) -> dict[str, list]:
 
 
 def collect_traces(model, drafter, eos, prompts, log) -> list:
-    from tailrace.engine.generator.backend import Request, TorchBackend
-    from tailrace.engine.generator.speculative import FixedDepth
+    from tailrace.engine.generator.speculation.speculative import FixedDepth
+    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
     from tailrace.protocol.messages import SamplingParams
 
     backend = TorchBackend(model, max_batch_size=32, max_model_len=256, eos_token_ids=eos, seed=0)
@@ -141,7 +141,7 @@ def collect_traces(model, drafter, eos, prompts, log) -> list:
 
 
 def train_drafter(drafter, traces, train_s: float, log) -> dict:
-    from tailrace.engine.generator.spot import SpotConfig, SpotTrainer
+    from tailrace.engine.generator.speculation.drafter_training import SpotConfig, SpotTrainer
 
     spot = SpotTrainer(drafter, SpotConfig(), seed=0)
     spot.add_traces(traces)
@@ -176,8 +176,8 @@ def _since(backend, before: dict) -> dict:
 
 
 def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -> dict:
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.bandit import SpecBandit, arms_for
+    from tailrace.engine.generator.speculation.bandit import SpecBandit, arms_for
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
     from tailrace.protocol.messages import SamplingParams
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=96)
@@ -224,7 +224,7 @@ def _throughput(model, drafter, eos, prompts, warmup_prompts, batch: int, log) -
 def measure_cuda_graphs(model_path: str, prompts, log, device: str = "cuda", mode: str = "auto",
                         batch_sizes=BATCH_SIZES) -> dict:
     """On a CUDA device: the torch backend with its forwards replayed as CUDA graphs (generator.cuda_graphs,
-    engine/generator/graphs.py) against the same backend run eagerly, raced over the same requests at each
+    engine/generator/torch_backend/graphs.py) against the same backend run eagerly, raced over the same requests at each
     running batch size, plain decoding and model-free speculation (suffix@3: the verify forward of 4 tokens
     per row). Figures: decode throughput with graphs over without, per batch size; graph captures and
     replays. Without a CUDA device: says so, measures nothing (device "cpu" with mode "static": the same race
@@ -233,9 +233,9 @@ def measure_cuda_graphs(model_path: str, prompts, log, device: str = "cuda", mod
 
     if device == "cuda" and not torch.cuda.is_available():
         return {"cuda_graphs": "not measured: no CUDA device"}
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.speculative import FixedDepth
-    from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
+    from tailrace.engine.core.models import eos_token_ids, load_model, load_tokenizer
+    from tailrace.engine.generator.speculation.speculative import FixedDepth
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
     from tailrace.protocol.messages import SamplingParams
 
     model = load_model(model_path, device=device)
@@ -270,8 +270,8 @@ def measure_cuda_graphs(model_path: str, prompts, log, device: str = "cuda", mod
 def _token_histogram(model, eos, prompts, drafter, seed: int):
     import torch
 
-    from tailrace.engine.generator.backend import TorchBackend
-    from tailrace.engine.generator.bandit import SpecBandit
+    from tailrace.engine.generator.speculation.bandit import SpecBandit
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
     from tailrace.protocol.messages import SamplingParams
 
     backend = TorchBackend(model, max_batch_size=64, max_model_len=256, eos_token_ids=eos, seed=seed)
@@ -294,8 +294,8 @@ def _measure(model_path: str, sizes: dict, log, cuda_graphs: bool = True) -> dic
     measure_cuda_graphs on the decode prompts."""
     import torch
 
-    from tailrace.engine.drafter import Drafter
-    from tailrace.engine.models import eos_token_ids, load_model, load_tokenizer
+    from tailrace.engine.core.drafter import Drafter
+    from tailrace.engine.core.models import eos_token_ids, load_model, load_tokenizer
 
     torch.manual_seed(0)
     model = load_model(model_path)

@@ -24,7 +24,8 @@ def _sizes(quick: bool) -> dict:
 
 
 def _requests(num_prompts: int, max_new_tokens: int):
-    from tailrace.engine import models, tasks
+    from tailrace.engine.core import models
+    from tailrace.engine.data import tasks
     from tailrace.engine.generator.requests import Request
     from tailrace.protocol.messages import SamplingParams
 
@@ -51,8 +52,12 @@ def _run(backend, requests) -> tuple[dict, float, float]:
 
 def run(quick: bool, log: Callable[[str], None]) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
-    from tailrace.engine import models
-    from tailrace.engine.generator.vllm_backend import VLLMBackend, build_llm, speculative_config
+    from tailrace.engine.core import models
+    from tailrace.engine.generator.engine_backends.vllm_backend import (
+        VLLMBackend,
+        build_llm,
+        speculative_config,
+    )
 
     sizes = _sizes(quick)
     load_before = os.getloadavg()[0]

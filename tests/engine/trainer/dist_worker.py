@@ -1,0 +1,138 @@
+"""One trainer rank for tests/engine/trainer/test_dist.py: run it under torchrun (or plain python for one rank).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/engine/trainer/dist_worker.py --replay replay --out OUT
+
+Trains a tiny model (float64 or float32) for --steps optimizer steps on fixed batches of unequal groups
+whose split across ranks is uneven (the last batch is one group: rank 1 has only its zero-weight unit),
+optionally saving a DCP checkpoint after --save-at steps or resuming from --resume. Rank 0 writes the
+served weights (rank 0's gathered state dict) before training and after every step to OUT
+(torch.save). --die-at-step N makes rank 1
+exit hard in the middle of step N (after its forward, before the gradient reduction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+VOCAB = 64
+
+
+def tiny_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
+    tied = arch == "qwen2"
+    config = (Qwen2Config if tied else LlamaConfig)(**kwargs, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def batches():
+    """Three batches: unequal groups, then one big and one tiny group, then a single group."""
+    from tailrace.engine.core.samples import Group, TrainSample
+
+    gen = torch.Generator().manual_seed(1)
+    next_id = iter(range(1000))
+
+    def group(size: int, prompt_len: int, max_completion: int) -> Group:
+        gid = next(next_id)
+        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+        samples = []
+        for i in range(size):
+            t = int(torch.randint(1, max_completion + 1, (), generator=gen))
+            shared = torch.randint(0, VOCAB, (3,), generator=gen) if i % 2 else torch.zeros(3, dtype=torch.int64)
+            completion = torch.cat([shared, torch.randint(0, VOCAB, (t,), generator=gen)])
+            samples.append(TrainSample(
+                group_id=gid, sample_id=i, prompt_ids=prompt, completion_ids=completion,
+                behaviour_logprobs=-4.0 - torch.rand(completion.numel(), generator=gen),
+                policy_versions=torch.zeros(completion.numel(), dtype=torch.int64),
+                reward=float(torch.rand((), generator=gen)), temperature=[1.0, 0.7][i % 2]))
+        return Group(group_id=gid, samples=samples)
+
+    return [[group(4, 9, 6), group(2, 3, 4), group(3, 5, 8), group(1, 2, 2)],
+            [group(5, 30, 10), group(2, 2, 1)],
+            [group(3, 6, 5)]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replay", default="replay")
+    ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--arch", default="qwen2")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", default="")
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--die-at-step", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--adam-eps", type=float, default=1e-8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mixed-precision", default="auto")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers; 0 = full model")
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--minibatches", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from tailrace.engine.config import FSDPConfig, LoRAConfig
+    from tailrace.engine.trainer import checkpoint, dist
+    from tailrace.engine.trainer.learner import Learner, LearnerConfig
+    from tailrace.engine.trainer.loss import LossConfig
+
+    dist.init_from_env(timeout_s=args.timeout_s)
+    config = LearnerConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
+                           lr_schedule="linear", total_steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
+                           loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s,
+                                                                         mixed_precision=args.mixed_precision,
+                                                                         cpu_offload=args.cpu_offload),
+                           lora=LoRAConfig(r=args.lora, target_modules=("all-linear",)),
+                           gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
+                           minibatches=args.minibatches)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config)
+    if args.die_at_step:
+        _die_in_step(learner, args.die_at_step)
+    if args.resume:
+        checkpoint.load(args.resume, learner)
+    out: dict = {"steps": [], "grad_norms": [], "initial": learner.state_dict_for_broadcast()}
+    for i, batch in enumerate(batches()[: args.steps]):
+        if i < learner.step_count:
+            continue  # trained before the checkpoint
+        metrics = learner.step(batch)
+        out["grad_norms"].append(metrics["trainer/grad/norm"])
+        out["steps"].append(learner.state_dict_for_broadcast())
+        if args.save_at and learner.step_count == args.save_at:
+            checkpoint.save(args.ckpt, learner, data_position={"batch": i + 1})
+    if dist.is_rank0():
+        torch.save(out, args.out)
+    dist.shutdown()
+    return 0
+
+
+def _die_in_step(learner, step: int) -> None:
+    """Rank 1 exits hard right after its strategy's forward/backward in step `step` (rank 0 then waits
+    in the gradient reduction)."""
+    from tailrace.engine.trainer import dist
+
+    inner = learner.forward_backward
+
+    def dying(*a, **k):
+        stats = inner(*a, **k)
+        if dist.rank() == 1 and learner.step_count + 1 == step:
+            os._exit(17)
+        return stats
+
+    learner.forward_backward = dying
+
+
+if __name__ == "__main__":
+    sys.exit(main())

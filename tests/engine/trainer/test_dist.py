@@ -1,0 +1,232 @@
+"""The trainer on several ranks: real ranks under torchrun (gloo, CPU), each run bounded in time.
+
+The workers (tests/engine/trainer/dist_worker.py) train a tiny model on batches of unequal groups whose split is
+uneven (the last batch leaves rank 1 only its zero-weight unit); one rank is the reference.
+Run: pytest tests/engine/trainer/test_dist.py  (the slow ones: -m slow)
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailrace.engine.trainer import ranks
+from tailrace.engine.trainer.dist import partition
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+ROOT = Path(__file__).resolve().parents[3]
+RUN_TIMEOUT_S = 240
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _worker(out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--max-restarts=0"] if nproc > 1 else [sys.executable]
+    proc = subprocess.run([*launcher, str(WORKER), "--out", str(out), *args], env=_env(), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a)
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("dist_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker
+
+
+def _train(tmp_path: Path, name: str, *args: str, nproc: int) -> dict:
+    """nproc = 1 runs in this process (no process group: the plain, unsharded learner)."""
+    out = tmp_path / f"{name}.pt"
+    if nproc == 1:
+        assert _load_worker().main(["--out", str(out), *args]) == 0
+    else:
+        _worker(out, *args, nproc=nproc)
+    return torch.load(out, weights_only=True)
+
+
+def test_partition_is_balanced_deterministic_and_whole():
+    items = [9, 1, 1, 7, 3, 2, 2]
+    parts = partition(items, float, 2)
+    assert parts == partition(items, float, 2)
+    assert sorted(x for p in parts for x in p) == sorted(items)
+    assert abs(sum(parts[0]) - sum(parts[1])) <= 1
+    assert partition([5], float, 3) == [[5], [], []]  # ranks without work run only the zero-weight unit
+
+
+def test_batch_codec_round_trips_every_field():
+    groups = _load_worker().batches()[0]
+    back = ranks.decode_batch(*ranks.encode_batch(groups))
+    assert [g.group_id for g in back] == [g.group_id for g in groups]
+    for g, h in zip(groups, back, strict=True):
+        for s, t in zip(g.samples, h.samples, strict=True):
+            for name in ("prompt_ids", "completion_ids", "behaviour_logprobs", "policy_versions"):
+                assert torch.equal(getattr(s, name), getattr(t, name)), name
+            assert (s.sample_id, s.reward, s.advantage, s.temperature) == (t.sample_id, t.reward, t.advantage,
+                                                                           t.temperature)
+
+
+def test_two_ranks_train_and_serve_as_one_and_checkpoints_reshard(tmp_path):
+    """replay, float64: 3 steps on 2 ranks == 1 rank; served weights equal; the DCP checkpoint of step 2
+    on 2 ranks resumes on 1 rank to the uninterrupted run, and its HF export is the served weights."""
+    from transformers import AutoModelForCausalLM
+
+    one = _train(tmp_path, "one", nproc=1)
+    two = _train(tmp_path, "two", "--save-at", "2", "--ckpt", str(tmp_path / "ck2"), nproc=2)
+    for name, tensor in one["initial"].items():  # before training the served bytes are the same
+        assert torch.equal(tensor, two["initial"][name]) and tensor.dtype == two["initial"][name].dtype, name
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-10)
+
+    folder = tmp_path / "ck2" / "step_000002"
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).state_dict()
+    assert _max_rel_err(two["steps"][1], {k: exported[k] for k in two["steps"][1]}) == 0.0
+    resumed = _train(tmp_path, "resumed1", "--resume", str(folder), nproc=1)
+    assert _max_rel_err(one["steps"][-1], resumed["steps"][-1]) < 1e-10
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["data_position"] == {"batch": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay,checkpointing", [("naive", False), ("packed", False), ("replay", True)])
+def test_two_ranks_equal_one_rank_float64(tmp_path, replay, checkpointing):
+    args = ("--replay", replay, "--arch", "llama")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, *(["--activation-checkpointing"] if checkpointing else []), nproc=2)
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", ["naive", "replay"])
+def test_two_ranks_equal_one_rank_with_ppo_epochs_and_minibatches(tmp_path, replay):
+    """2 epochs x 2 minibatches of whole groups per step, proximal log-probs per rank: 2 ranks == 1 rank
+    (the last batch's one group leaves rank 1 without samples in every pass)."""
+    args = ("--replay", replay, "--ppo-epochs", "2", "--minibatches", "2")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, nproc=2)
+    plain = _train(tmp_path, "plain", "--replay", replay, nproc=1)
+    assert _max_rel_err(plain["steps"][0], one["steps"][0]) > 1e-6  # four updates, not one
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-10)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_float32(tmp_path):
+    # A larger adam_eps keeps Adam's update a smooth function of the gradient: with eps = 1e-8 an element
+    # whose gradient is at float32 rounding level moves by +-lr either way, whatever the ranks do.
+    args = ("--dtype", "float32", "--adam-eps", "1e-3")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, nproc=2)
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_rank_resumes_on_two_and_two_on_two(tmp_path):
+    one = _train(tmp_path, "one", "--save-at", "2", "--ckpt", str(tmp_path / "ck1"), nproc=1)
+    on_two = _train(tmp_path, "on_two", "--resume", str(tmp_path / "ck1" / "step_000002"), nproc=2)
+    assert _max_rel_err(one["steps"][-1], on_two["steps"][-1]) < 1e-10
+    _train(tmp_path, "two", "--save-at", "2", "--ckpt", str(tmp_path / "ck2"), nproc=2)
+    again = _train(tmp_path, "again", "--resume", str(tmp_path / "ck2" / "step_000002"), nproc=2)
+    assert _max_rel_err(one["steps"][-1], again["steps"][-1]) < 1e-10
+
+
+def _pids_running(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_step_takes_the_trainer_down(tmp_path):
+    out = tmp_path / "dies.pt"
+    started = time.monotonic()
+    proc = _worker(out, "--die-at-step", "2", "--timeout-s", "20", nproc=2, check=False)
+    assert proc.returncode != 0 and not out.exists()
+    assert time.monotonic() - started < 120
+    assert "exitcode  : 17" in proc.stderr  # torchrun names the rank that died
+    deadline = time.monotonic() + 10
+    while _pids_running(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pids_running(str(out)), "a rank outlived its trainer"
+
+
+@pytest.mark.slow
+def test_tailrace_run_with_two_trainer_ranks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tailrace.engine.cli", "run", "--trainer.runs_dir",
+                           str(tmp_path / "runs"), "--trainer.run_name", "two", "--launch.trainer_ranks", "2",
+                           "--train.steps", "20", "--no-progress"], env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "two" / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["policy_version"] == 20
+    assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+    assert min(summary["generator_policy_versions"].values()) >= 19
+    assert summary["reward_last"] > summary["reward_first"], summary
+    state = json.loads((tmp_path / "runs" / "two" / "checkpoint" / "step_000020" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: 2 GPUs")
+def test_two_gpu_ranks_with_nccl_equal_one(tmp_path):
+    args = ("--device", "cuda", "--dtype", "float32", "--adam-eps", "1e-3", "--mixed-precision", "off")
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, nproc=2)
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-5
+    bf16 = _train(tmp_path, "bf16", "--device", "cuda", "--dtype", "float32", "--mixed-precision", "bf16", nproc=2)
+    assert all(0 < n < float("inf") for n in bf16["grad_norms"])  # bf16 parameters, fp32 reduction
+    offload = _train(tmp_path, "offload", *args, "--cpu-offload", nproc=2)
+    for a, b in zip(one["steps"], offload["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_resumes_on_one(tmp_path):
+    """LoRA on every linear layer, replay, float64: the served (merged) weights of 2 ranks == 1 rank; the
+    checkpoint of step 2 on 2 ranks holds the merged model and an adapter that peft loads, and resumes on
+    1 rank to the uninterrupted run."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    one = _train(tmp_path, "one", "--lora", "4", nproc=1)
+    two = _train(tmp_path, "two", "--lora", "4", "--save-at", "2", "--ckpt", str(tmp_path / "ck2"), nproc=2)
+    base = _load_worker().tiny_model("qwen2", torch.float64).state_dict()
+    assert sorted(one["initial"]) == sorted(base)  # the base model's names, merged: no adapter tensors
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert _max_rel_err(a, b) < 1e-10
+    assert _max_rel_err(base, one["steps"][-1]) > 1e-6  # the adapters moved the merged weights
+    folder = tmp_path / "ck2" / "step_000002"
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    assert _max_rel_err(two["steps"][1], {k: v for k, v in exported.state_dict().items() if k in base}) < 1e-15
+    ids = torch.arange(20).reshape(2, 10)
+    adapted = PeftModel.from_pretrained(_load_worker().tiny_model("qwen2", torch.float64), folder / "adapter")
+    with torch.no_grad():
+        want, got = exported.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-12
+    resumed = _train(tmp_path, "resumed1", "--lora", "4", "--resume", str(folder), nproc=1)
+    assert _max_rel_err(one["steps"][-1], resumed["steps"][-1]) < 1e-10

@@ -1,0 +1,207 @@
+"""The DPO trainer mode: pairs from JSONL, gradients equal to the naive DPO ones through the learner the
+trainer uses, the margin rising on the shipped tiny model, exact resume, and `tailrace trainer`/`run`
+as real processes (checkpoint loadable by transformers, metrics.jsonl, summary.json, --resume).
+"""
+
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tailrace.engine.config import DataConfig, load_config
+from tailrace.engine.core import models
+from tailrace.engine.core.samples import TrainSample
+from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
+from tailrace.engine.trainer.dpo_loop import DPOLearner, DPOTrainer, pair_samples
+from tailrace.engine.trainer.learner import LearnerConfig, sample_logprobs
+from tests.engine.replay.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
+
+ROOT = Path(__file__).resolve().parents[3]
+torch.set_num_threads(1)
+
+
+class CharTokenizer:
+    eos_token_id = 2
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) % 50 + 4 for c in text]
+
+
+def write_pairs(path, num_pairs, seed=0):
+    """Prompts asking to reverse a string; chosen is the reversal, rejected the string itself."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_pairs):
+        text = "".join(rng.choice("abcdefgh") for _ in range(6))
+        rows.append({"prompt": f"reverse: {text}=", "chosen": text[::-1], "rejected": text})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dpo_config(tmp_path, data, *extra):
+    return load_config(None, ["--train.algorithm", "dpo", "--data.source", str(data), "--train.lr", "1e-3",
+                              "--train.groups_per_step", "4", "--trainer.runs_dir", str(tmp_path / "runs"),
+                              "--trainer.run_name", "dpo", *extra])
+
+
+def test_config_validates_algorithm_and_beta():
+    for overrides, match in ((["--train.algorithm", "ppo"], "train.algorithm"),
+                             (["--train.dpo_beta", "0"], "train.dpo_beta"),
+                             (["--train.algorithm", "dpo", "--train.replay", "naive"], "train.replay")):
+        with pytest.raises(ValueError, match=match):
+            load_config(None, overrides)
+    assert load_config(None, []).train.algorithm == "grpo"
+
+
+def test_pairs_tokenized_like_prompts_with_eos_resumable_and_too_long_skipped(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "ab", "chosen": "c", "rejected": "dd"}, {"prompt": "x" * 30, "chosen": "y", "rejected": "z"},
+            {"prompt": "e", "chosen": "f", "rejected": "g"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    source = PairSource(DataConfig(source=str(path)), CharTokenizer(), max_tokens=10)
+    tok = CharTokenizer()
+    first = next(source)
+    assert first == PreferencePair(0, tok.encode("ab"), tok.encode("c", False) + [2], tok.encode("dd", False) + [2])
+    assert [p.index for p in source.take(5)] == [2] and source.skipped_too_long == 1 and source.position == 3
+    resumed = PairSource(DataConfig(source=str(path)), CharTokenizer(), max_tokens=10, position=1)
+    assert [p.index for p in resumed] == [2]
+
+
+def test_pairs_from_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"q": "ab", "chosen": "c", "rejected": "d"}]), path)
+    (pair,) = PairSource(DataConfig(source=str(path), prompt_field="q"), CharTokenizer(), max_tokens=10)
+    assert pair.prompt_ids == CharTokenizer().encode("ab") and pair.rejected_ids[-1] == 2
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": "a", "chosen": "b"}, "row 1 of .*: field 'rejected' must be a non-empty string, got missing"),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, "row 1 .* field 'chosen' .* got int '3'"),
+    ({"text": "a", "chosen": "b", "rejected": "c"}, "row 1 .* field 'prompt' .*set data.prompt_field"),
+])
+def test_bad_rows_name_the_row_and_field(tmp_path, row, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=match):
+        list(PairSource(DataConfig(source=str(path)), CharTokenizer(), max_tokens=100))
+    with pytest.raises(ValueError, match="needs a .jsonl"):
+        PairSource(DataConfig(), CharTokenizer(), max_tokens=100)
+
+
+@pytest.mark.parametrize("replay", ["replay", "packed", "auto"])
+def test_learner_gradient_equals_naive_dpo_gradient(replay):
+    """DPOLearner.backward (what the trainer mode runs, reference log-probs over the trie included) gives
+    the gradient of the DPO loss backpropagated through naive per-sample forwards."""
+    gen = torch.Generator().manual_seed(3)
+    pairs = []
+    for i in range(3):
+        prompt = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+        pairs.append(PreferencePair(i, prompt, *(torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 3))))
+    pairs.append(PreferencePair(3, pairs[0].prompt_ids, [1, 2], [1, 3]))  # shares a prompt with pair 0
+    ref = tiny_model("llama", seed=1)  # a reference unlike the policy, so that its log-probs matter
+    model = copy.deepcopy(cached_model("llama"))
+    learner = DPOLearner(model, LearnerConfig(replay=replay, micro_batch_tokens=64), beta=0.5, ref_model=ref)
+    samples, stats = learner.backward(pairs)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref_S = torch.stack([lp.sum() for lp in sample_logprobs(ref, samples, micro_batch_tokens=4096, chunk_rows=7)])
+    expected, expected_loss = naive_dpo_grads(model, samples, [(2 * i, 2 * i + 1) for i in range(4)], ref_S.double(), 0.5)
+    assert rel_err(got, expected) <= 1e-9
+    assert float(stats["loss_dpo"]) == pytest.approx(expected_loss, rel=1e-12)
+    assert float(stats["unique_tokens"]) < float(stats["logical_tokens"])  # shared prompts ran once
+
+
+def test_policy_equal_to_reference_has_zero_margin():
+    samples_model = cached_model("llama")
+    learner = DPOLearner(copy.deepcopy(samples_model), LearnerConfig(replay="replay"), beta=0.1)
+    metrics = learner.step([PreferencePair(0, [1, 2, 3], [4, 5], [6])])
+    assert metrics["trainer/dpo/reward_margin"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["trainer/dpo/loss"] == pytest.approx(0.6931471805599453, rel=1e-9)  # log 2
+    assert len(pair_samples([PreferencePair(0, [1], [2], [3])], 7)) == 2
+
+
+def held_out_margins(policy, rows):
+    """log-ratio(chosen) - log-ratio(rejected) of each row, policy vs the shipped tiny model, computed
+    apart from the trainer (naive forwards, own tokenization), so no bookkeeping of it can hide a swap."""
+    tok = models.load_tokenizer("tiny")
+    ref = models.load_model("tiny")
+    samples = [TrainSample(group_id=0, sample_id=0, prompt_ids=tok.encode(row["prompt"]),
+                           completion_ids=tok.encode(row[key], add_special_tokens=False) + [tok.eos_token_id],
+                           behaviour_logprobs=torch.zeros(len(row[key]) + 1),
+                           policy_versions=torch.zeros(len(row[key]) + 1, dtype=torch.int64), reward=0.0)
+               for row in rows for key in ("chosen", "rejected")]
+    policy_lp, ref_lp = (sample_logprobs(m, samples, micro_batch_tokens=4096, chunk_rows=64) for m in (policy, ref))
+    ratio = [float(p.sum() - r.sum()) for p, r in zip(policy_lp, ref_lp, strict=True)]
+    return [c - r for c, r in zip(ratio[0::2], ratio[1::2], strict=True)]
+
+
+def test_dpo_steps_raise_the_margin_on_the_tiny_model(tmp_path):
+    """Each step's figures are on pairs it has not trained on yet (measured before its update): the margin
+    starts at 0 (policy = reference) and grows; the tiny model learns to prefer the reversal, also on
+    pairs it never saw."""
+    data = write_pairs(tmp_path / "pairs.jsonl", 24)
+    trainer = DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "5"))
+    summary = trainer.run()
+    margins, accuracies = summary["step_reward_margins"], summary["step_accuracies"]
+    assert abs(margins[0]) < 1e-6
+    assert margins[-1] > 0.2 and accuracies[-1] >= 0.75, (margins, accuracies)
+    assert summary["replay_saving"] > 1.5 and summary["pairs_trained"] == 20
+    held_out = write_pairs(tmp_path / "held_out.jsonl", 8, seed=1).read_text().splitlines()
+    margins = held_out_margins(trainer.learner.model, [json.loads(line) for line in held_out])
+    assert sum(m > 0 for m in margins) >= 6 and sum(margins) > 0, margins
+
+
+def test_resume_continues_at_the_data_position(tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", 16)
+    straight = DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "3", "--trainer.run_name", "straight"))
+    straight.run()
+    DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "2")).run()
+    resumed = DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "3"), resume=True)
+    assert resumed.source.position == 8
+    summary = resumed.run()
+    assert summary["steps"] == 3 and summary["rows_consumed"] == 12 and summary["pairs_trained"] == 12
+    for a, b in zip(straight.learner.model.parameters(), resumed.learner.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert summary["step_reward_margins"] == pytest.approx(straight.summary()["step_reward_margins"], rel=1e-4, abs=1e-6)
+
+
+def _cli(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "tailrace.engine.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_tailrace_run_then_trainer_resume_as_processes(tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", 12)
+    config = tmp_path / "dpo.toml"
+    config.write_text(f'[train]\nalgorithm = "dpo"\ndpo_beta = 0.1\ngroups_per_step = 2\nsteps = 2\nlr = 1e-3\n'
+                      f'[data]\nsource = "{data}"\n[trainer]\nrun_name = "cli"\nruns_dir = "{tmp_path / "runs"}"\n')
+    first = _cli(["run", "--config", str(config), "--no-progress"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "no generators" in first.stdout
+    resumed = _cli(["trainer", "--config", str(config), "--resume", "--train.steps", "3"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "cli"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["rows_consumed"] == 6 and summary["algorithm"] == "dpo"
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 3
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for key in ("loss", "reward_margin", "accuracy", "chosen_reward", "rejected_reward"):
+        assert all(f"trainer/dpo/{key}" in m for m in metrics)
+    folder = run_dir / "checkpoint" / "step_000003"
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["data_position"] == {"rows_consumed": 6} and state["policy_version"] == 3
+    AutoModelForCausalLM.from_pretrained(folder)

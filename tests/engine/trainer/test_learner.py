@@ -1,0 +1,222 @@
+"""Learner: chunked log-probs, micro-batching exactness, a step that learns, schedules, snapshots, dist helpers."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from tailrace.engine.core.losses import LossNormaliser
+from tailrace.engine.core.samples import Group, TrainSample
+from tailrace.engine.trainer import dist
+from tailrace.engine.trainer.learner import (
+    Learner,
+    LearnerConfig,
+    LRSchedule,
+    NaiveForwardBackward,
+    plan_micro_batches,
+    sample_logprobs,
+)
+from tailrace.engine.trainer.loss import LossConfig, StepLoss, assign_advantages, policy_loss
+from tailrace.kernels.logprobs import chunked_logprobs
+
+torch.set_num_threads(1)
+VOCAB = 64
+
+
+def tiny_model(arch="qwen2", dtype=torch.float32, seed=0):
+    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+    tied = arch == "qwen2"  # cover both a tied and an untied LM head
+    config = (Qwen2Config if tied else LlamaConfig)(**kwargs, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def make_groups(seed, num_groups=2, group_size=3, prompt_len=(2, 7), completion_len=(1, 9)):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rint(lo, hi):
+        return int(torch.randint(lo, hi, (), generator=gen))
+
+    groups = []
+    for g in range(num_groups):
+        prompt = torch.randint(0, VOCAB, (rint(*prompt_len),), generator=gen)
+        samples = []
+        for i in range(group_size):
+            t = rint(*completion_len)
+            samples.append(TrainSample(
+                group_id=g, sample_id=i, prompt_ids=prompt, completion_ids=torch.randint(0, VOCAB, (t,), generator=gen),
+                behaviour_logprobs=-4.0 - torch.rand(t, generator=gen), policy_versions=torch.zeros(t, dtype=torch.int64),
+                reward=float(torch.rand((), generator=gen)), temperature=[1.0, 0.7, 1.3][i % 3]))
+        groups.append(Group(group_id=g, samples=samples))
+    return groups
+
+
+def test_chunked_logprobs_match_full_log_softmax():
+    gen = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(8, VOCAB, bias=False).double()
+    hidden = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (11,), generator=gen)
+    temp = torch.rand(11, generator=gen, dtype=torch.float64) + 0.5
+    # what forward_logprobs calls with a model's LM head
+    logp, entropy = chunked_logprobs(hidden, head.weight, labels, temperature=temp, chunk_size=4,
+                                     return_entropy=True)
+    logp.sum().backward()
+    grads = (hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad, head.weight.grad = None, None
+
+    full = torch.log_softmax(head(hidden) / temp[:, None], dim=-1)
+    ref = full.gather(-1, labels[:, None]).squeeze(-1)
+    ref.sum().backward()
+    torch.testing.assert_close(logp, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[1], head.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_plan_micro_batches_respects_budget():
+    lengths = [5, 12, 3, 3, 8, 20]
+    batches = plan_micro_batches(lengths, 16)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 16
+    assert [5] in batches  # 20 > budget: alone
+
+
+def _reference_grads(model, samples, cfg):
+    """Per-sample plain HF forward with full [T, V] logits: the definition the strategy must match."""
+    norm = LossNormaliser.from_samples(samples)
+    model.zero_grad(set_to_none=True)
+    for s in samples:
+        ids = torch.cat([s.prompt_ids, s.completion_ids])[None]
+        logits = model(input_ids=ids).logits[0, s.num_prompt_tokens - 1 : -1] / s.temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, s.completion_ids[:, None]).squeeze(-1)
+        lengths = torch.full((s.num_completion_tokens,), s.num_completion_tokens)
+        loss, _ = policy_loss(logp, s.behaviour_logprobs, torch.full_like(logp, s.advantage),
+                              norm.token_weights(lengths, cfg.aggregation), cfg)
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch,aggregation", [("qwen2", "token_mean"), ("llama", "sample_mean")])
+def test_micro_batching_gives_the_same_gradient(arch, aggregation):
+    model = tiny_model(arch, torch.float64)
+    model.train()
+    samples = [s for g in make_groups(2, num_groups=2, group_size=3) for s in g.samples]
+    cfg = LossConfig(aggregation=aggregation, is_cap=50.0)
+    assign_advantages(make_groups(2, num_groups=2, group_size=3), cfg)  # same rewards -> same advantages
+    for i, s in enumerate(samples):
+        s.advantage = [0.7, -1.2, 0.4][i % 3] * (1 + i)
+    expected = _reference_grads(model, samples, cfg)
+    norm = LossNormaliser.from_samples(samples)
+    for budget in (10_000, 24, 1):
+        model.zero_grad(set_to_none=True)
+        NaiveForwardBackward(budget, logprob_chunk_tokens=5)(model, samples, StepLoss(samples, cfg), norm)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, expected[name], rtol=1e-10, atol=1e-13, msg=f"{name} {budget}")
+
+
+def _surrogate(model, samples):
+    """sum A * logp / tokens: what the policy gradient pushes up."""
+    logps = sample_logprobs(model, samples, micro_batch_tokens=256, chunk_rows=64)
+    total = sum(s.advantage * float(lp.sum()) for s, lp in zip(samples, logps, strict=True))
+    return total / sum(s.num_completion_tokens for s in samples)
+
+
+def test_step_improves_the_objective_on_a_fixed_batch():
+    model = tiny_model()
+    groups = make_groups(3, num_groups=3, group_size=4)
+    samples = [s for g in groups for s in g.samples]
+    # On-policy data: behaviour log-probs from the model itself, so w = 1 at the first step.
+    for s, lp in zip(samples, sample_logprobs(model, samples, micro_batch_tokens=256, chunk_rows=64), strict=True):
+        s.behaviour_logprobs = lp
+    learner = Learner(model, LearnerConfig(lr=3e-3, micro_batch_tokens=40))
+    assign_advantages(groups, learner.config.loss)
+    before = _surrogate(model, samples)
+    metrics = {}
+    for _ in range(3):
+        metrics = learner.step(groups)
+    assert _surrogate(model, samples) > before + 0.05
+    for key in ("trainer/loss/pg", "trainer/grad/norm", "trainer/lr", "trainer/tokens/logical",
+                "trainer/policy/clip_frac", "trainer/policy/entropy", "trainer/staleness/max"):
+        assert math.isfinite(metrics[key]), key
+    assert metrics["trainer/tokens/logical"] == sum(s.num_tokens for s in samples)
+    assert metrics["trainer/lr"] == 3e-3
+    assert learner.policy_version == 3 and learner.step_count == 3
+    assert metrics["trainer/staleness/max"] == 2.0  # samples of version 0 trained at version 2
+
+
+def test_kl_to_reference_and_validation():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="kl_coef"):
+        Learner(model, LearnerConfig(loss=LossConfig(kl_coef=0.1)))
+    with pytest.raises(ValueError, match="replay"):
+        Learner(model, LearnerConfig(replay="nope"))
+    learner = Learner(model, LearnerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.5)), ref_model=copy.deepcopy(model))
+    groups = make_groups(4)
+    first = learner.step(groups)
+    assert first["trainer/policy/kl_ref"] == pytest.approx(0.0, abs=1e-12)
+    second = learner.step(groups)
+    assert second["trainer/policy/kl_ref"] > 0.0 and second["trainer/loss/kl"] > 0.0
+
+
+def test_non_finite_gradient_skips_the_update():
+    model = tiny_model()
+
+    def poisoned(model, samples, loss_fn, normaliser):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        return {}
+
+    learner = Learner(model, LearnerConfig(lr=1e-2), forward_backward=poisoned)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = learner.step(make_groups(5))
+    assert metrics["trainer/grad/skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert learner.policy_version == 1
+
+
+def test_broadcast_snapshot_is_a_frozen_copy():
+    model = tiny_model()  # Qwen2 config ties embedding and LM head
+    learner = Learner(model, LearnerConfig(lr=1e-2))
+    snapshot = learner.state_dict_for_broadcast()
+    frozen = {k: v.clone() for k, v in snapshot.items()}
+    learner.step(make_groups(6))
+    assert all(torch.equal(frozen[k], snapshot[k]) for k in snapshot)
+    assert not torch.equal(snapshot["model.norm.weight"], model.model.norm.weight.detach())
+    assert snapshot["lm_head.weight"] is snapshot["model.embed_tokens.weight"]
+    assert all(t.device.type == "cpu" for t in snapshot.values())
+
+
+def test_lr_schedules():
+    warm_cos = LRSchedule("cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    assert [warm_cos(s) for s in range(2)] == [0.5, 1.0]
+    assert warm_cos(2) == 1.0 and warm_cos(4) == pytest.approx(0.55) and warm_cos(6) == pytest.approx(0.1)
+    assert warm_cos(100) == pytest.approx(0.1)
+    linear = LRSchedule("linear", warmup_steps=0, total_steps=4, min_lr_ratio=0.0)
+    assert [linear(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert LRSchedule("constant", 0, 0, 0.0)(10) == 1.0
+    with pytest.raises(ValueError, match="total_steps"):
+        LearnerConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5)
+    learner = Learner(tiny_model(), LearnerConfig(lr=1e-3, lr_schedule="linear", total_steps=4))
+    lrs = [learner.step(make_groups(7, num_groups=1))["trainer/lr"] for _ in range(3)]
+    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4])
+
+
+def test_dist_helpers_at_world_size_one():
+    info = dist.init_from_env()
+    assert (info.rank, info.world_size) == (0, 1) and dist.is_rank0() and not dist.is_initialized()
+    t = torch.ones(3)
+    assert dist.all_reduce_sum_(t) is t and torch.equal(t, torch.ones(3))
+    stats = {"a": torch.tensor(2.0)}
+    assert dist.all_reduce_stats_(stats) is stats
+    items = list(range(7))
+    assert dist.shard(items, lambda i: i, 0, 1) == items
+    # Balanced by cost, deterministic, a partition in original order.
+    shards = [dist.shard(items, lambda i: i + 1, r, 3) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == items
+    assert all(s == sorted(s) for s in shards)
+    loads = [sum(i + 1 for i in s) for s in shards]
+    assert max(loads) - min(loads) <= 2
