@@ -7,6 +7,7 @@
     tailrace reward --connect ADDR --config FILE [--reward.functions ...]   the weighted sum of reward.functions
     tailrace eval --checkpoint DIR [--config FILE] [--fn module:function] [--json] [--section.name VALUE ...]
     tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
+    tailrace samples RUN_DIR [--step N] [--last K] [--json]      completions of a run's steps as text
     tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
@@ -48,13 +49,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Async streaming rollout-and-train engine for RL post-training of language models.",
     )
     parser.add_argument("--version", action="version", version=f"tailrace {_version()}")
-    sub = parser.add_subparsers(dest="role", required=True, metavar="{run,trainer,generator,reward,eval,config}")
+    sub = parser.add_subparsers(dest="role", required=True,
+                                metavar="{run,trainer,generator,reward,eval,config,samples}")
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
-                         "server for the built-in tasks (none with reward.mode servers: it prints how to "
-                         "attach yours) as separate processes over loopback, show progress, stop cleanly on "
-                         "Ctrl-C with a checkpoint. " + OVERRIDES_HELP)
+                         "server for the built-in tasks (none with reward.mode servers) as separate processes "
+                         "over loopback, show progress, stop cleanly on Ctrl-C with a checkpoint; where "
+                         "nothing started scores data.task, it prints how to attach your reward server. "
+                         + OVERRIDES_HELP)
     run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
     run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
     run.add_argument("--no-progress", action="store_true", help="no progress output (bars on a terminal, else a line per step)")
@@ -108,6 +111,18 @@ def _parser() -> argparse.ArgumentParser:
                             "TOML that --config reads back: every setting with its meaning, and its default where "
                             "it differs. " + OVERRIDES_HELP)
     config.add_argument("--config", help="TOML run config")
+
+    samples = sub.add_parser("samples", help="print the completions a run trained on, with prompts and rewards",
+                             description="Print the completions that a run wrote to RUN_DIR/samples.jsonl "
+                             "(metrics.samples_per_step per step, default 4): step, group, sample, its reward "
+                             "beside its group's rewards (all equal: the group taught nothing), the policy "
+                             "versions that sampled it, its length and why it ended, then the prompt and the "
+                             "completion as the reward saw them. Works while the run goes on.")
+    samples.add_argument("run", metavar="RUN_DIR", help="the run folder, runs/<name> (or its samples.jsonl)")
+    samples.add_argument("--step", type=int, default=None, metavar="N", help="only the samples of step N")
+    samples.add_argument("--last", type=int, default=1, metavar="K",
+                         help="the samples of the last K steps written (default 1)")
+    samples.add_argument("--json", action="store_true", help="one JSON object per sample, as in samples.jsonl")
     parser.set_defaults(role_parsers=sub.choices)  # for a role's own usage on a bad flag
     return parser
 
@@ -139,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     role_parser = args.role_parsers[args.role]
+    if args.role == "samples" and overrides:
+        role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.role == "reward" and args.fn and overrides:
         role_parser.error(f"unrecognized arguments: {' '.join(overrides)} (settings go with reward.functions, not --fn)")
     problem = _bad_override(overrides)
@@ -159,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             from tailrace.engine.generator.main import main as role_main
         elif args.role == "eval":
             from tailrace.engine.eval.main import main as role_main
+        elif args.role == "samples":
+            from tailrace.engine.trainer.sample_log import main as role_main
         elif args.role == "config":
             from tailrace.engine.config import commented_toml, load_config
 

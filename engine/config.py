@@ -270,6 +270,7 @@ class TrainerConfig:
     curve_secret_key_file: str = ""  # enables CURVE: file of the trainer's secret key (40 Z85 characters)
     curve_clients_file: str = ""  # with CURVE: allow-list of client keys and their roles; "" = any key
     accept_drafters: bool = True  # take drafters that generators upload (checked, next version only)
+    expected_generators: int = 0  # generators being started for this trainer (tailrace run sets launch.num_generators): while none has connected the watchdog says it waits for them; 0 = none announced
 
     def __post_init__(self):
         _check(self.bind.startswith(("tcp://", "ipc://", "inproc://")), "trainer.bind",
@@ -278,6 +279,7 @@ class TrainerConfig:
         _check(self.missed_heartbeats >= 1, "trainer.missed_heartbeats", "must be >= 1")
         _check(not self.curve_clients_file or bool(self.curve_secret_key_file), "trainer.curve_clients_file",
                "needs trainer.curve_secret_key_file: client keys exist only with CURVE")
+        _check(self.expected_generators >= 0, "trainer.expected_generators", "must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -360,11 +362,15 @@ class MetricsConfig:
     sinks: tuple[str, ...] = ("jsonl",)  # where the trainer's metrics go: jsonl (runs/<name>/metrics.jsonl), tensorboard (runs/<name>/tensorboard), wandb
     spans: bool = True  # every process records what it does as spans: runs/<name>/trace.jsonl, tools/timeline.py
     wandb_project: str = "tailrace"  # with wandb: the W&B project (WANDB_MODE=offline writes runs/<name>/wandb only)
+    samples_per_step: int = 4  # completions written per step to runs/<name>/samples.jsonl (prompt and completion text, reward, versions; `tailrace samples RUN`), spread over the step's groups; 0 = none
+    no_signal_warn_steps: int = 5  # warn (log, notice socket, progress) when every group of this many consecutive steps got one reward for all its samples: GRPO then has no signal; 0 = never
 
     def __post_init__(self):
         unknown = [s for s in self.sinks if s not in SINKS]
         _check(not unknown, "metrics.sinks", f"{unknown} not among {', '.join(SINKS)}")
         _check(len(set(self.sinks)) == len(self.sinks), "metrics.sinks", "lists a sink twice")
+        _check(self.samples_per_step >= 0, "metrics.samples_per_step", "must be >= 0")
+        _check(self.no_signal_warn_steps >= 0, "metrics.no_signal_warn_steps", "must be >= 0")
 
 
 @dataclass(kw_only=True)

@@ -1,8 +1,10 @@
 """`tailrace run`: a trainer, launch.num_generators generators and a reward server as separate OS
 processes on this machine over loopback, supervised, with progress bars. The reward server serves the
 built-in tasks' functions (only those tasks), or the weighted sum of reward.functions when they are set;
-with reward.mode = "servers" and no reward.functions it is not started, and the launcher prints the line
-that attaches the user's own.
+with reward.mode = "servers" and no reward.functions it is not started. Where nothing started scores
+data.task (reward.mode = "servers", or a task without a built-in function, and no reward function given),
+the launcher prints the line that attaches the user's own. The trainer is told how many generators come
+(trainer.expected_generators), so that it says it waits for them while they load.
 
     supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
                      generator or reward server stops the run (SIGINT to the trainer, which
@@ -35,6 +37,7 @@ from typing import Any
 
 from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
 from tailrace.engine.core import preflight, report, reward_fns
+from tailrace.engine.data.tasks import REWARD_FNS  # pure Python
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
@@ -193,12 +196,32 @@ class Launcher:
             return True
         return self.cfg.launch.reward_server and (self.cfg.reward.mode != "servers" or bool(self.cfg.reward.functions))
 
+    def needs_reward_server(self) -> bool:
+        """Whether the user must attach a reward server for data.task: neither a server this run starts
+        nor the trainer's built-in functions score it."""
+        cfg, task = self.cfg.reward, self.cfg.data.task
+        builtin = task in REWARD_FNS
+        if cfg.mode == "builtin" or self.reward is not None:
+            return False
+        if self.starts_reward_server() and (cfg.functions or builtin):
+            return False
+        return cfg.mode == "servers" or bool(cfg.functions) or not builtin
+
     def attach_hint(self, address: str) -> str:
-        """How to attach a reward server for data.task, with this run's keys when CURVE is on."""
-        argv = ["tailrace", "reward", "--connect", address, "--fn", "module:function", "--tasks", self.cfg.data.task,
+        """Why the run needs a reward server and how to attach one for data.task, with this run's keys when
+        CURVE is on (only when needs_reward_server())."""
+        reward, task = self.cfg.reward, self.cfg.data.task
+        serves = ["--fn", "module:function", "--tasks", task]
+        if reward.functions:  # launch.reward_server = false, else the launcher serves them
+            why, serves = "launch.reward_server = false: nothing serves reward.functions", ["--config", str(self.config_path)]
+        elif reward.mode == "servers":
+            why = "reward.mode = servers: no reward server is started"
+        else:
+            why = f"task {task!r} has no built-in reward function"
+        argv = ["tailrace", "reward", "--connect", address, *serves,
                 *(["--name", "reward-0", *self.key_args("reward-0")] if self.keys is not None else [])]
-        return (f"tailrace run: reward.mode = servers: no reward server is started (rows with another task "
-                f"need a server for it too); attach a reward server with:\n  {' '.join(argv)}")
+        return (f"tailrace run: {why} (rows with another task need a server for it too); attach a reward server "
+                f"with:\n  {' '.join(argv)}")
 
     def supervise_once(self, trainer: Child) -> bool:
         """One supervision pass; False when the run is over."""
@@ -268,7 +291,8 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: b
                     msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
                 except TimeoutError:
                     continue
-                if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over", "eval"):
+                if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over", "eval",
+                                                              "no_signal"):
                     if steps is not None:
                         steps.write(f"trainer: {msg.text}")
                     else:
@@ -362,11 +386,8 @@ def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
         print(f"tailrace run: warning: {warning}", file=sys.stderr)
     print(f"tailrace run: trainer at {address}; starting {cfg.launch.num_generators} generators"
           + (" and a reward server" if launcher.starts_reward_server() else ""))
-    if cfg.reward.mode == "servers" and not launcher.starts_reward_server():
+    if launcher.needs_reward_server():  # else the started server or the built-in functions score data.task
         print(launcher.attach_hint(address), flush=True)
-    else:
-        print("tailrace run: attach a reward server with: "
-              + report.attach_line(address, cfg.data.task, curve=launcher.keys is not None), flush=True)
 
 
 def _say_finished(run_dir: Path) -> None:
@@ -375,6 +396,8 @@ def _say_finished(run_dir: Path) -> None:
         summary = json.loads(summary_path.read_text())
         print("tailrace run: " + json.dumps({k: v for k, v in summary.items() if k != "step_rewards"}))
         print(f"tailrace run: {report.summary_line(summary)}")
+    if (run_dir / "samples.jsonl").is_file():  # engine/trainer/sample_log.py
+        print(f"tailrace run: what the model wrote, with rewards: tailrace samples {run_dir} [--last K]")
 
 
 def main(args: Any, overrides: list[str], *, reward: UserReward | None = None) -> int:
@@ -420,6 +443,8 @@ def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, rewa
         clients |= {"reward-0": "reward", "run-progress": "tool"}
         keys = CurveKeys(cfg.trainer, run_dir / "keys", clients)
         cfg.trainer.curve_clients_file = str(keys.allow_list)
+    if not cfg.trainer.expected_generators:  # the trainer says it waits for them while they load
+        cfg.trainer.expected_generators = cfg.launch.num_generators
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")

@@ -114,31 +114,33 @@ def render(snapshot: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- the live view
 
-COLUMNS = ("name", "role", "state", "ver", "queue", "tok/s", "batch", "stale", "spec acc/depth", "drafter", "age")
+COLUMNS = ("name", "role", "state", "ver", "queue", "tok/s", "batch", "stale", "spec acc/depth", "drafter",
+           "scored", "age")
 STATE_STYLE = {"generating": "green", "training": "green", "scoring": "green", "idle": "yellow",
                "syncing_weights": "cyan", "drafter_training": "magenta", "checkpointing": "cyan",
                "starting": "blue", "stopping": "red", "left": "red", "dead": "bold red"}
 
 
 def _cells(role: str, c: dict[str, float]) -> list[str]:
-    """queue, tok/s, batch, staleness, speculation, drafter: per role, "" where it does not apply."""
+    """queue, tok/s, batch, staleness, speculation, drafter, scored: per role, "" where it does not apply
+    (one cell per column of COLUMNS between "ver" and "age")."""
     g = c.get
     if role == "trainer":
         return [f"{g('trainer/controller/groups_in_flight', 0):.0f} in flight / {g('trainer/queue/parked_requests', 0):.0f}"
                 f" parked / {g('trainer/queue/scoring', 0):.0f} scoring", "", f"{g('trainer/controller/groups_complete', 0):.0f}",
-                f"<= {g('trainer/controller/max_staleness_seen', 0):.0f}", "", ""]
+                f"<= {g('trainer/controller/max_staleness_seen', 0):.0f}", "", "", ""]
     if role == "generator":
         spec = (f"{g('generator/spec/accept_rate', 0):.0%} / {g('generator/spec/mean_accept_len', 0):.2f}"
                 if g("generator/spec/spec_steps", 0) else "")
         drafter = f"v{g('generator/spec/drafter_version', 0):.0f}" if "generator/spec/drafter_version" in c else ""
         return [f"{g('generator/queue/waiting', 0):.0f} waiting / {g('generator/queue/pending_items', 0):.0f} items",
                 f"{g('generator/throughput/wall_tokens_per_s', 0):.0f}", f"{g('generator/queue/running', 0):.0f}",
-                "", spec, drafter]
+                "", spec, drafter, ""]
     if role == "reward":
-        return [f"{g('reward/requests/in_flight', 0):.0f} in flight", "", "", "",
+        return [f"{g('reward/requests/in_flight', 0):.0f} in flight", "", "", "", "", "",
                 f"{g('reward/requests/answered', 0):.0f} ans, {1e3 * g('reward/latency/mean_s', 0):.0f} ms, "
-                f"{g('reward/requests/errors', 0):.0f} err", ""]
-    return [""] * 6
+                f"{g('reward/requests/errors', 0):.0f} err"]
+    return [""] * 7
 
 
 def view(board: Board) -> Any:

@@ -6,7 +6,8 @@ The turns are the `data.prompt_field` value when it is a list, else the row's `m
 `messages` list that ends with an assistant turn is a prompt with its reference answer (an SFT row): the
 answer turn leaves the prompt and becomes the reward metadata's "answer" when the row has no answer
 field. `data.chat_template`: "auto" uses the tokenizer's template, "none" refuses conversational rows, a
-file path is a Jinja template that overrides the tokenizer's. Test: pytest tests/engine/data/test_chat_data.py
+file path is a Jinja template that overrides the tokenizer's, and the trainers save it as the tokenizer's
+own template in every checkpoint (adopt_template). Test: pytest tests/engine/data/test_chat_data.py
 """
 
 from __future__ import annotations
@@ -68,3 +69,11 @@ class ChatTemplate:
         if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding by default
             ids = ids["input_ids"]
         return [int(i) for i in ids], text
+
+
+def adopt_template(setting: str, tokenizer: Any) -> None:
+    """A data.chat_template file becomes the tokenizer's own template, so the checkpoints' tokenizer files
+    carry the template the run trained with: from_pretrained(checkpoint) formats conversations alike."""
+    template = ChatTemplate(setting, tokenizer).override
+    if template is not None:
+        tokenizer.chat_template = template

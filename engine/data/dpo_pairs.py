@@ -3,8 +3,11 @@
 Rows come from the same readers as GRPO prompts (engine/data/prompt_sources.py: JSONL, Parquet, `hf:NAME`); the prompt
 is the `data.prompt_field` column, tokenized as the GRPO path tokenizes prompts (text as is, a list of
 turns through the chat template, engine/data/chat.py); `chosen` and `rejected` are text, tokenized without
-special tokens, and end with the tokenizer's EOS, as a sampled completion that stopped would. A source has a position (rows consumed) that checkpoints store, so `--resume` continues
-at the same row; pairs too long for the model are skipped and counted. Test: pytest tests/engine/trainer/test_dpo.py
+special tokens, and end with the tokenizer's EOS, as a sampled completion that stopped would. The rows are
+read data.epochs times, each epoch in file order or, with data.shuffle, in an order drawn from data.seed and
+the epoch, as GRPO prompts are. A source has a position (rows consumed, over all epochs) that checkpoints
+store, so `--resume` continues at the same row; pairs too long for the model are skipped and counted.
+Test: pytest tests/engine/trainer/test_dpo.py
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from tailrace.engine.config import DataConfig
 from tailrace.engine.data.chat import ChatTemplate, conversation
-from tailrace.engine.data.prompt_sources import file_rows
+from tailrace.engine.data.prompt_sources import epoch_rows, exhausted_text, row_table
 
 COMPLETION_FIELDS = ("chosen", "rejected")
 
@@ -53,9 +56,9 @@ class PairSource:
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = [eos] if isinstance(eos, int) else []
         self._chat = ChatTemplate(cfg.chat_template, tokenizer)
-        self._rows = iter(file_rows(cfg))
-        for _ in range(position):  # files have no random access in general; skip what was used
-            next(self._rows, None)
+        table = row_table(cfg)
+        self.num_rows = len(table)  # per epoch
+        self._rows = epoch_rows(table, cfg, position)
 
     def __iter__(self) -> Iterator[PreferencePair]:
         return self
@@ -72,6 +75,10 @@ class PairSource:
                 self.skipped_too_long += 1
                 continue
             return pair
+
+    def exhausted_text(self) -> str:
+        """Why the source ended, for the run's stop reason."""
+        return exhausted_text(self.cfg, self.num_rows, "rows")
 
     def take(self, num_pairs: int) -> list[PreferencePair]:
         """Up to num_pairs next pairs; fewer (or none) when the source ends."""

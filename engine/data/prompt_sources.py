@@ -90,13 +90,41 @@ def _scalar_metadata(row: dict[str, Any], prompt_field: str) -> dict[str, Any]:
             if k != prompt_field and (v is None or isinstance(v, str | int | float | bool))}
 
 
-def _row_table(cfg: DataConfig) -> Sequence[dict[str, Any]] | ParquetRows:
+def row_table(cfg: DataConfig) -> Sequence[dict[str, Any]] | ParquetRows:
     """A file source with its length: Parquet read by row group, a `datasets` Dataset (random access)
     as it is, JSONL rows in a list."""
     if not cfg.source.startswith("hf:") and _source_path(cfg).suffix == ".parquet":
         return ParquetRows(cfg.source)
     rows = file_rows(cfg)
     return rows if hasattr(rows, "__getitem__") else list(rows)
+
+
+def epoch_rows(table: Sequence[dict[str, Any]] | ParquetRows, cfg: DataConfig, position: int) -> Iterator[dict[str, Any]]:
+    """The rows of data.epochs passes over `table` from row `position` (counted over all epochs), each
+    epoch in file order or, with data.shuffle, in an order drawn from data.seed and the epoch number."""
+    n = len(table)
+    if n == 0:
+        return
+    epoch, offset = divmod(position, n)
+    while epoch < cfg.epochs:
+        if isinstance(table, ParquetRows):
+            yield from table.epoch_rows(epoch, offset, shuffle=cfg.shuffle, seed=cfg.seed)
+        else:
+            order = list(range(n))
+            if cfg.shuffle:
+                random.Random(f"{cfg.seed}/{epoch}").shuffle(order)
+            for i in order[offset:]:
+                yield table[i]
+        epoch, offset = epoch + 1, 0
+
+
+def exhausted_text(cfg: DataConfig, num_rows: int | None, what: str) -> str:
+    """Why a source of `num_rows` rows per epoch (None: endless) ended, for the run's stop reason."""
+    if num_rows is None:
+        return "data exhausted"
+    epochs = cfg.epochs
+    return (f"data exhausted after {epochs} epoch{'s' if epochs != 1 else ''} of {num_rows} {what} "
+            f"(data.epochs = {epochs})")
 
 
 class PromptSource:
@@ -119,9 +147,9 @@ class PromptSource:
         if cfg.source == "synthetic":
             self._rows = self._synthetic_rows()
         else:
-            table = _row_table(cfg)
+            table = row_table(cfg)
             self.num_rows = len(table)
-            self._rows = self._epoch_rows(table)
+            self._rows = epoch_rows(table, cfg, position)
 
     @property
     def epochs_done(self) -> int:
@@ -130,33 +158,13 @@ class PromptSource:
 
     def exhausted_text(self) -> str:
         """Why the source ended, for the run's stop reason."""
-        epochs = self.cfg.epochs
-        if self.num_rows is None:
-            return "data exhausted"
-        return (f"data exhausted after {epochs} epoch{'s' if epochs != 1 else ''} of {self.num_rows} prompts "
-                f"(data.epochs = {epochs})")
+        return exhausted_text(self.cfg, self.num_rows, "prompts")
 
     def _synthetic_rows(self) -> Iterator[dict[str, Any]]:
         from tailrace.engine.data.tasks import synthetic_prompts
 
         for prompt in synthetic_prompts(self.cfg.task, seed=self.cfg.seed, start=self.position, split=self.split):
             yield {self.cfg.prompt_field: prompt.text, "task": prompt.task} | dict(prompt.metadata)
-
-    def _epoch_rows(self, table: Sequence[dict[str, Any]] | ParquetRows) -> Iterator[dict[str, Any]]:
-        n = len(table)
-        if n == 0:
-            return
-        epoch, offset = divmod(self.position, n)
-        while epoch < self.cfg.epochs:
-            if isinstance(table, ParquetRows):
-                yield from table.epoch_rows(epoch, offset, shuffle=self.cfg.shuffle, seed=self.cfg.seed)
-            else:
-                order = list(range(n))
-                if self.cfg.shuffle:
-                    random.Random(f"{self.cfg.seed}/{epoch}").shuffle(order)
-                for i in order[offset:]:
-                    yield table[i]
-            epoch, offset = epoch + 1, 0
 
     def __iter__(self) -> PromptSource:
         return self

@@ -4,7 +4,7 @@
           policy, over the pairs' trie) -> DPO forward/backward by the branch-replay strategy (a pair's
           prompt runs once) -> clip, AdamW, LR schedule (Learner.apply_gradients) -> metrics.jsonl ->
           checkpoint every checkpoint.every_steps
-    ends  at train.steps, when the data ends, or on SIGINT/SIGTERM (after the step in progress): a last
+    ends  at train.steps, when the data ends (data.epochs passes), or on SIGINT/SIGTERM (after the step in progress): a last
           checkpoint (data position = rows consumed, so --resume continues at the next row) and summary.json
 
 Run: tailrace trainer --config FILE --train.algorithm dpo --data.source pairs.jsonl (or `tailrace run`).
@@ -31,6 +31,7 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.core import models
 from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import TrainSample
+from tailrace.engine.data.chat import adopt_template
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
 from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
 from tailrace.engine.trainer import checkpoint, dist
@@ -104,6 +105,7 @@ class DPOTrainer:
         self.run_dir = run_dir or make_run_dir(cfg, resume)
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
+        adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
         self.learner = DPOLearner(model, learner_config(cfg), beta=cfg.train.dpo_beta)
         state: dict[str, Any] = {}
@@ -146,7 +148,7 @@ class DPOTrainer:
         while self.learner.step_count < total and not self.stop_reason:
             pairs = self.source.take(self.cfg.train.groups_per_step)
             if not pairs:
-                self.stop_reason = f"no more pairs: data.source ends after {self.source.position} rows"
+                self.stop_reason = f"no more pairs: {self.source.exhausted_text()}"
                 break
             self.train_step(pairs)
         if self.learner.step_count >= total:
@@ -162,7 +164,9 @@ class DPOTrainer:
         for key in ("logical_tokens", "unique_tokens"):
             self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
         metrics |= {"trainer/data/rows_consumed": self.source.position,
-                    "trainer/data/pairs_skipped_too_long": self.source.skipped_too_long}
+                    "trainer/data/epochs_done": self.source.position // max(1, self.source.num_rows),
+                    "trainer/data/pairs_skipped_too_long": self.source.skipped_too_long,
+                    "trainer/time/elapsed_s": self.wall_s_before + time.monotonic() - self.started_s}
         step = self.learner.step_count
         self.sink.log(step, metrics)
         log.info("step %d/%d dpo loss %.4f margin %.4f accuracy %.2f", step, self.cfg.train.steps,
@@ -202,8 +206,8 @@ class DPOTrainer:
         }
 
     def finish(self) -> dict[str, Any]:
-        self.save_checkpoint()
-        summary = self.summary()
+        folder = self.save_checkpoint()
+        summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
         return summary

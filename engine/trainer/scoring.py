@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tailrace.engine.config import RewardConfig
+from tailrace.engine.core import report
+from tailrace.engine.data.tasks import REWARD_FNS  # pure Python
 
 
 class ScoringFailed(Exception):
@@ -161,3 +163,17 @@ def _check_reward(reward: Any) -> tuple[float, dict[str, float]]:
     if not math.isfinite(reward):
         raise ScoringFailed("reward_nan", f"reward is {reward}")
     return float(reward), details
+
+
+def reward_line(cfg: Any, address: str, *, curve: bool = False) -> str:
+    """What scores a trainer's completions of data.task (cfg: a RunConfig), for its start-up log line."""
+    reward, task = cfg.reward, cfg.data.task
+    if reward.mode == "builtin":
+        return f"rewards: the built-in function of task {task!r}"
+    if reward.functions:
+        return (f"rewards: reward.functions, on the reward server that serves them (tailrace run starts it; "
+                f"else: tailrace reward --connect {address} --config FILE)")
+    if reward.mode == "auto" and task in REWARD_FNS:
+        return f"rewards: the built-in function of task {task!r}, or a reward server attached for it"
+    return (f"rewards: reward servers only for task {task!r}; unless one is started for it, attach a reward "
+            f"server with: {report.attach_line(address, task, curve=curve)}")

@@ -5,7 +5,9 @@
     train loop  runs the open step's complete groups' forward/backward early (early.py), waits for
                 controller.pop_batch(), runs learner.step in a worker thread, then publishes version V+1
                 (publish.py: WeightsNotice to generators and on the notice socket; parked requests
-                served), on one rank beside the next step's early forward/backward
+                served), on one rank beside the next step's early forward/backward; then a few of the
+                step's completions go to samples.jsonl (sample_log.py), and steps without signal are said
+                (reward_signal.py)
     stats loop  publishes the trainer's Stats every trainer.stats_interval_s
     loop probe  measures the event loop's lag into Stats counter trainer/loop/max_stall_ms (loop_probe.py)
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -34,19 +37,31 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.engine.config import RunConfig
-from tailrace.engine.core import gc_freeze, models, preflight, report
+from tailrace.engine.core import gc_freeze, models, preflight
 from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import PromptRecord, TrainSample
 from tailrace.engine.core.weights import WeightsStore
+from tailrace.engine.data.chat import adopt_template
 from tailrace.engine.data.prompt_sources import PromptSource
-from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
+from tailrace.engine.trainer import (
+    checkpoint,
+    early,
+    loop_probe,
+    publish,
+    sample_log,
+    scoring,
+    trained_log,
+    watchdog,
+)
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.in_run_eval import Evaluator
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
+from tailrace.engine.trainer.reward_signal import NoSignalWatch
 from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
-from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed, reward_detail_metrics
+from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
+from tailrace.engine.trainer.step_metrics import batch_metrics
 from tailrace.engine.trainer.trace import TraceLog
 from tailrace.protocol import messages as m
 from tailrace.protocol.telemetry import SpanBuffer
@@ -74,6 +89,7 @@ class TrainerService:
         self.run_id = self.run_dir.name
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
+        adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
         self.warnings = [w for w in (preflight.round_trip_warning(self.tokenizer, cfg.model.path),) if w]
         for warning in self.warnings:  # also in endpoint.json, which `tailrace run` prints from
             log.warning("%s", warning)
@@ -114,11 +130,12 @@ class TrainerService:
         self.controller.max_staleness_seen = counters.get("max_staleness_seen", 0)
         self.step_rewards: list[float] = counters.get("step_rewards", [])
         self.wall_s_before = counters.get("wall_s", 0.0)
+        self.no_signal = NoSignalWatch(cfg, str(self.run_dir), steps_without_signal=counters.get("steps_without_signal", 0))
         self.store = WeightsStore(cfg.trainer.weights_chunk_bytes)
         self.drafters = DrafterRelay(self.store, self.counters, model if cfg.trainer.accept_drafters else None)
         if resume_from is not None:
             self.drafters.restore(resume_from)
-            for name in ("metrics.jsonl", trained_log.FILE_NAME):  # steps past the checkpoint are trained again
+            for name in ("metrics.jsonl", trained_log.FILE_NAME, sample_log.FILE_NAME):  # those steps train again
                 keep_metrics_up_to(self.run_dir / name, self.learner.step_count)
         self.sink = make_sink(self.run_dir, cfg)
         self.spans = SpanBuffer("trainer", "trainer", enabled=cfg.metrics.spans)
@@ -183,9 +200,8 @@ class TrainerService:
                 {"address": self.server.address, "notice_address": self.server.notice_address,
                  "pid": os.getpid(), "warnings": self.warnings}))
             os.replace(endpoint.with_suffix(".tmp"), endpoint)
-            log.info("trainer listening on %s (run %s); attach a reward server with: %s", self.server.address,
-                     self.run_id, report.attach_line(self.server.address, self.cfg.data.task,
-                                                     curve=bool(cfg.curve_secret_key_file)))
+            log.info("trainer listening on %s (run %s); %s", self.server.address, self.run_id,
+                     scoring.reward_line(self.cfg, self.server.address, curve=bool(cfg.curve_secret_key_file)))
             self.state = "idle"
             net = asyncio.create_task(self.net_loop(), name="net")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
@@ -252,20 +268,13 @@ class TrainerService:
             self.token_totals[key] += metrics.get(f"trainer/strategy/{key}", 0.0)
         self.controller.on_trained(batch, version)
         trained_log.append(self.run_dir, self.learner.step_count, batch)
-        rewards = [s.reward for g in groups for s in g.samples]
-        self.step_rewards.append(statistics.fmean(rewards))
-        staleness = [version - s.min_policy_version for g in groups for s in g.samples]
-        metrics |= {
-            "trainer/reward/mean": self.step_rewards[-1],
+        metrics |= batch_metrics(groups, version) | {
             "trainer/step/seconds": time.monotonic() - started,
-            "trainer/staleness/max": max(staleness),
-            "trainer/staleness/mean": statistics.fmean(staleness),
-            "trainer/batch/groups": len(groups),
-            "trainer/batch/samples": len(rewards),
-            "trainer/batch/completion_tokens": sum(g.num_completion_tokens for g in groups),
+            "trainer/time/elapsed_s": self.wall_s_before + time.monotonic() - self.started_s,  # across resumes
             "trainer/policy_version": self.learner.policy_version,
             "trainer/data/epochs_done": self.source.epochs_done,
-        } | reward_detail_metrics(groups) | self.controller.stats()
+        } | self.controller.stats()
+        self.step_rewards.append(metrics["trainer/reward/mean"])
         self.last_loss = metrics.get("trainer/loss/total", self.last_loss)
         self.state = "syncing_weights"
         await publish.begin(self)  # version V+1 out to the generators (publish.py)
@@ -273,6 +282,12 @@ class TrainerService:
             await publish.published(self)
             metrics |= await self.evaluator.run(self, self.learner.step_count)
         self.sink.log(self.learner.step_count, metrics)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)  # as score() does
+        sample_log.append(self.run_dir, sample_log.records(self.learner.step_count, batch,
+                                                           self.cfg.metrics.samples_per_step, decode))
+        if (text := self.no_signal.update(groups)) is not None:  # every group taught nothing, K steps running
+            log.warning("%s", text)
+            await self.server.publish(self.event("no_signal", text, steps=self.no_signal.streak))
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
             await publish.published(self)
@@ -575,6 +590,7 @@ class TrainerService:
                                         "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
+            "steps_without_signal": self.no_signal.steps_without_signal,  # every group: one reward for all
             "stop_reason": self.stop_reason,
             "eval": self.evaluator.summary(),
         }

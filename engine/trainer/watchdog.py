@@ -5,8 +5,9 @@
     after controller.stall_warn_s of waiting for a batch with no sign of life (no peer joined, no
                    rollout came in, no step trained)
                    diagnose() names what blocks progress, most specific first: completions waiting for a
-                   reward server of a task, no generator connected, samples held by a generator (and when
-                   its lease ends), every generator parked; said on the log, as Event "stall" on the
+                   reward server of a task, no generator connected (or, when trainer.expected_generators
+                   are being started, as by `tailrace run`: still waiting for them), samples held by a
+                   generator (and when its lease ends), every generator parked; said on the log, as Event "stall" on the
                    notice socket (`tailrace run` prints it under its bar), and again every STALL_REPEAT_S
                    while it lasts; Event "stall_over" when training resumes.
 
@@ -37,6 +38,7 @@ class Situation:
     reward_waiting: dict[str, int]  # task -> completions waiting for a reward server
     wait_for_server_s: float
     generators: list[str]  # connected generator names
+    expected_generators: int  # generators being started for this trainer (trainer.expected_generators); 0 = unknown
     parked: int  # generators whose work request is parked
     held: dict[str, int]  # generator -> samples it holds (handed out, result not in)
     next_lease: tuple[float, str] | None  # (seconds left, generator) of the lease that ends first
@@ -55,6 +57,9 @@ def diagnose(s: Situation) -> str:
         return (f"{waiting}: no reward server attached for task {named}; they are discarded as "
                 f"no_reward_server after reward.wait_for_server_s = {s.wait_for_server_s:g} s "
                 f"(attach one: tailrace reward --connect ADDR --fn module:function --tasks TASK)")
+    if not s.generators and s.expected_generators:
+        return (f"{waiting}: waiting for {s.expected_generators} generator{'s' if s.expected_generators > 1 else ''} "
+                f"to connect (none yet; each loads the model first, and its log says how far it got)")
     if not s.generators:
         return f"{waiting}: no generator connected (start one: tailrace generator --connect ADDR)"
     if s.held:
@@ -85,6 +90,7 @@ def situation(service: Any, now: float) -> Situation:
         waiting_s=now - max(service.waiting_since_s or now, service.progress_s),
         reward_waiting=dict(service.rewards.waiting) if service.rewards else {},
         wait_for_server_s=service.cfg.reward.wait_for_server_s, generators=generators,
+        expected_generators=service.cfg.trainer.expected_generators,
         parked=len(service.parked), held=dict(held),
         next_lease=(next_lease[0] - now, next_lease[1]) if next_lease else None,
         groups_in_flight=len(ctrl.groups), groups_complete=len(ctrl.complete) + len(ctrl.step_groups),

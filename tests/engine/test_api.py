@@ -6,6 +6,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ import tailrace
 from tailrace.engine import api
 from tailrace.engine.config import RunConfig
 
+ROOT = Path(__file__).resolve().parents[2]
 
 def _small(tmp_path, name: str) -> RunConfig:
     cfg = tailrace.Config()
@@ -88,3 +90,32 @@ def test_a_reward_named_by_module_runs_as_its_own_process(tmp_path, monkeypatch)
     assert result.summary["steps"] == 3 and result.summary["scored_by"]["server"] >= 24
     log = (result.run_dir / "logs" / "reward-0.log").read_text()
     assert "serving ['reverse', 'math']" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_readmes_arithmetic_case_on_the_shipped_model_says_that_nothing_is_learned(tmp_path, capsys):
+    """README's Python API case: the shipped tiny model, trained to reverse strings, on the addition prompts
+    of examples/arithmetic with README's exact-match reward scores 0 on every sample. Every group then has
+    zero reward variance and GRPO no signal: the run says so (progress, log, summary) instead of ending
+    quietly at reward 0.000 -> 0.000, and samples.jsonl shows what the model wrote instead. (The same warning
+    in-process, fast: tests/engine/trainer/test_trainer_service.py.)"""
+    def score(prompt: str, completion: str, metadata: dict) -> float:  # README's
+        return float(completion.strip() == metadata["answer"])
+
+    cfg = _small(tmp_path, "arith")
+    cfg.data.source, cfg.data.task = str(ROOT / "examples" / "arithmetic" / "prompts.jsonl"), "arith"
+    cfg.metrics.no_signal_warn_steps = 2
+    result = tailrace.run(cfg, reward_fn=score, progress=True)
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [line["trainer/reward/frac_zero_std"] for line in lines] == [1.0] * 3
+    assert [line["trainer/reward/mean"] for line in lines] == [0.0] * 3
+    said = "no learning signal: in each of the last 2 steps every group got one reward for all its samples"
+    assert f"trainer: {said}" in out  # under the progress, from the notice socket
+    assert said in (result.run_dir / "logs" / "trainer.log").read_text()
+    assert "The shipped tiny model" in out and f"tailrace samples {result.run_dir}" in out
+    assert result.summary["steps_without_signal"] == 3 and "(3 of 3 steps without signal" in out
+    assert "attach a reward server" not in out  # the reward function given scores every task
+    samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 4 and all(s["reward"] == 0.0 and "+" in s["prompt"] for s in samples)

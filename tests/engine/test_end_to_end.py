@@ -1,8 +1,10 @@
 """End to end on CPU: trainer, generator and reward server as real processes over tcp loopback.
 
 A few steps of the shipped tiny model: weights versions advance at the generator, rewards arrive from
-the reward server, and summary.json is consistent (handed out == trained + discarded). Each test stops
-only the processes it started, by pid.
+the reward server, and summary.json is consistent (handed out == trained + discarded); samples.jsonl holds
+each step's completions as the text the reward scored (`tailrace samples` prints them), metrics.jsonl
+their lengths, the share of groups without signal and the elapsed time, and the checkpoint's tokenizer the
+data.chat_template the run was given. Each test stops only the processes it started, by pid.
 """
 
 import json
@@ -60,8 +62,10 @@ def _wait_for(path, proc, log_path, timeout_s=120):
 @pytest.mark.timeout(280)
 def test_trainer_generator_reward_processes(tmp_path):
     run_dir = tmp_path / "runs" / "e2e"
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)  # text prompts are never templated: saved all the same
     trainer = _start(["trainer", *SMALL_RUN, "--trainer.runs_dir", str(tmp_path / "runs"),
-                      "--trainer.run_name", "e2e"], tmp_path / "trainer.log")
+                      "--trainer.run_name", "e2e", "--data.chat_template", str(tmp_path / "chat.jinja")],
+                     tmp_path / "trainer.log")
     procs = [trainer]
     try:
         endpoint = _wait_for(run_dir / "endpoint.json", trainer, tmp_path / "trainer.log")
@@ -102,3 +106,34 @@ def test_trainer_generator_reward_processes(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert model.config.model_type in ("qwen2", "llama")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == CHAT_TEMPLATE
+    _check_what_the_run_shows(run_dir, metrics)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }};{% endfor %}[assistant]"
+
+
+def _check_what_the_run_shows(run_dir, metrics):
+    from tailrace.engine.data.tasks import score
+    from tailrace.engine.trainer import sample_log
+
+    for m in metrics:
+        assert 1 <= m["trainer/completion/mean_tokens"] <= m["trainer/completion/max_tokens"] <= 24
+        assert m["trainer/completion/mean_tokens"] * m["trainer/batch/samples"] == \
+            pytest.approx(m["trainer/batch/completion_tokens"])
+        assert m["trainer/reward/frac_zero_std"] in (0.0, 0.5, 1.0)  # 2 groups a step
+    assert 0 < metrics[0]["trainer/time/elapsed_s"] < metrics[1]["trainer/time/elapsed_s"] < metrics[2]["trainer/time/elapsed_s"]
+    samples = sample_log.read(run_dir / "samples.jsonl")
+    assert [r["step"] for r in samples] == [1] * 4 + [2] * 4 + [3] * 4  # metrics.samples_per_step = 4
+    for r in samples:  # the text is what the reward server scored
+        assert r["prompt"].startswith("rev:") and r["reward"] == score(r["prompt"], r["completion"], {"task": "reverse"})
+        assert r["reward"] in r["group_rewards"] and 1 <= len(r["group_rewards"]) <= 4
+        assert r["policy_versions"][0] <= r["policy_versions"][1] < r["step"]
+    shown = subprocess.run([sys.executable, "-m", "tailrace.engine.cli", "samples", str(run_dir), "--last", "2"],
+                           capture_output=True, text=True, timeout=60, env=_env())
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("\nstep 2  group ") + shown.stdout.startswith("step 2  group ") == 4
+    assert shown.stdout.count("step 3  group ") == 4 and "step 1 " not in shown.stdout
+    assert f"  prompt:     {samples[-1]['prompt']}\n" in shown.stdout

@@ -1,7 +1,9 @@
 """What a new user hits, checked: one-line errors naming the setting, a peer that waits for its trainer,
 a tokenizer that does not round-trip, the CLI's --version / usage / `tailrace config`, reward dict
-details in the metrics, and the own-data recipe (docs/model-and-data.md) end to end (a reward server started first, a fixed
-trainer.bind from the config file, file data with data.epochs, checkpoint/latest, the summary line)."""
+details in the metrics, the summary line (GRPO, without signal, DPO), the attach line only where a reward
+server is needed, the generators `tailrace run` announces to its trainer, and the own-data recipe (docs/model-and-data.md) end
+to end (a reward server started first, a fixed trainer.bind from the config file, file data with
+data.epochs, checkpoint/latest, the summary line)."""
 
 import asyncio
 import json
@@ -20,6 +22,7 @@ import pytest
 from tailrace.engine import cli
 from tailrace.engine.config import RunConfig, commented_toml, from_dict, load_config
 from tailrace.engine.core import preflight, report
+from tailrace.engine.trainer import scoring
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,8 +186,83 @@ def test_summary_line_says_steps_reward_samples_time_and_checkpoint():
                     "3 discarded, 63 s; model in runs/x/checkpoint/latest (loads with from_pretrained)")
 
 
+def test_summary_line_of_a_run_without_signal_says_so():
+    line = report.summary_line({"steps": 20, "stop_reason": "reached train.steps = 20", "reward_first": 0.0,
+                                "reward_last": 0.0, "samples_trained": 1280, "discarded": {}, "wall_s": 40.0,
+                                "steps_without_signal": 20})
+    assert "reward 0.000 -> 0.000, 1280 samples trained, 0 discarded (20 of 20 steps without signal: every " \
+           "group's samples got one reward), 40 s" in line
+
+
+def test_summary_line_of_a_dpo_run_counts_pairs_and_its_margin():
+    summary = {"algorithm": "dpo", "steps": 20, "stop_reason": "reached train.steps = 20", "pairs_trained": 160,
+               "pairs_skipped_too_long": 0, "reward_margin_first": 0.0, "reward_margin_last": 0.41,
+               "accuracy_first": 0.5, "accuracy_last": 0.875, "wall_s": 12.0, "checkpoint": "runs/d/checkpoint/latest"}
+    assert report.summary_line(summary) == (
+        "20 steps (reached train.steps = 20), reward margin 0.000 -> 0.410, accuracy 0.50 -> 0.88, 160 pairs "
+        "trained, 0 skipped as too long, 12 s; model in runs/d/checkpoint/latest (loads with from_pretrained)")
+    empty = report.summary_line({**summary, "steps": 0, "reward_margin_first": None, "reward_margin_last": None})
+    assert "no pair trained" in empty and "samples" not in empty and "no reward yet" not in empty
+
+
+def _launcher(tmp_path, *overrides, reward=None):
+    from tailrace.engine.launch import Launcher
+
+    cfg = load_config(None, list(overrides))
+    return Launcher(cfg, tmp_path / "launch.toml", tmp_path, resume=False, progress=False, reward=reward)
+
+
+@pytest.mark.parametrize("overrides, needed, why", [
+    ([], False, None),  # the built-in reward server scores the built-in task
+    (["--data.task", "arith"], True, "task 'arith' has no built-in reward function"),
+    (["--reward.mode", "servers"], True, "reward.mode = servers: no reward server is started"),
+    (["--reward.mode", "builtin"], False, None),
+    (["--reward.functions", "examples.gsm8k_reward:score"], False, None),  # the launcher serves them
+    (["--reward.functions", "examples.gsm8k_reward:score", "--launch.reward_server", "false"], True,
+     "launch.reward_server = false: nothing serves reward.functions"),
+    (["--launch.reward_server", "false"], False, None),  # the trainer's built-in functions score it
+])
+def test_tailrace_run_asks_for_a_reward_server_only_where_one_is_needed(tmp_path, overrides, needed, why):
+    launcher = _launcher(tmp_path, *overrides)
+    assert launcher.needs_reward_server() is needed
+    if needed:
+        hint = launcher.attach_hint("tcp://127.0.0.1:9")
+        assert hint.startswith(f"tailrace run: {why} (") and "attach a reward server with:\n  tailrace reward " \
+            "--connect tcp://127.0.0.1:9" in hint
+
+
+def test_a_reward_function_given_to_tailrace_run_needs_no_server(tmp_path):
+    from tailrace.engine.launch import UserReward
+
+    user = UserReward(fn=lambda prompt, completion, metadata: 0.0)
+    for overrides in ([], ["--data.task", "arith"], ["--reward.mode", "servers"]):
+        assert not _launcher(tmp_path, *overrides, reward=user).needs_reward_server()
+
+
+def test_the_trainer_says_what_scores_its_completions():
+    address = "tcp://127.0.0.1:9"
+    line = scoring.reward_line(load_config(None, []), address)
+    assert line == "rewards: the built-in function of task 'reverse', or a reward server attached for it"
+    assert "attach" not in scoring.reward_line(load_config(None, ["--reward.mode", "builtin"]), address)
+    functions = scoring.reward_line(load_config(None, ["--reward.functions", "m:f"]), address)
+    assert "tailrace run starts it" in functions and "--config FILE" in functions
+    own = scoring.reward_line(load_config(None, ["--data.task", "arith"]), address)
+    assert own.endswith("attach a reward server with: tailrace reward --connect tcp://127.0.0.1:9 --fn "
+                        "module:function --tasks arith")
+
+
+def test_tailrace_run_tells_the_trainer_how_many_generators_come(tmp_path, capsys):
+    from tailrace.engine.launch import _set_up
+
+    for overrides, expected in (([], 2), (["--launch.num_generators", "3"], 3),
+                                (["--trainer.expected_generators", "5"], 5)):
+        cfg = load_config(None, overrides)
+        launcher = _set_up(cfg, tmp_path / "r", resume=False, progress=False)
+        assert load_config(launcher.config_path).trainer.expected_generators == expected
+
+
 def test_reward_details_become_mean_and_count_per_key():
-    from tailrace.engine.trainer.service import reward_detail_metrics
+    from tailrace.engine.trainer.scoring import reward_detail_metrics
 
     samples = [SimpleNamespace(reward_details=d) for d in ({"exact": 1.0, "len": 4.0}, {"exact": 0.0}, {})]
     metrics = reward_detail_metrics([SimpleNamespace(samples=samples)])

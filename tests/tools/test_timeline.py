@@ -92,3 +92,22 @@ def test_plot_overlays_runs_and_skips_panels_nobody_logged(tmp_path):
     assert [title for title, _ in plot._panels(runs)] == ["reward", "loss", "eval/accuracy"]
     assert plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_plot_draws_completion_length_and_groups_without_signal_against_wall_clock(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "trainer/reward/mean": 0.0, "trainer/reward/frac_zero_std": 1.0,
+         "trainer/completion/mean_tokens": 3.0 + s, "trainer/completion/max_tokens": 9 + s,
+         "trainer/time/elapsed_s": 2.5 * s}) + "\n" for s in range(1, 6)))
+    runs = [("r", plot.load(tmp_path / "r" / "metrics.jsonl"))]
+    titles = [title for title, _ in plot._panels(runs)]
+    assert titles == ["reward", "groups without signal (reward std 0)", "completion tokens"]
+    mean_tokens = dict(plot.PANELS)["completion tokens"][0][1]
+    assert plot.points_of(runs[0][1], mean_tokens, plot.X_AXES["elapsed"][0])[:2] == [(2.5, 4.0), (5.0, 5.0)]
+    assert plot.main([str(tmp_path / "r"), "--x", "elapsed", "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text(json.dumps({"step": 1, "trainer/reward/mean": 0.5}) + "\n")
+    assert plot.main([str(tmp_path / "old"), "--x", "elapsed", "--out", str(tmp_path / "o.png")]) == 1
+    assert "old: no trainer/time/elapsed_s in its metrics to put on the x axis (use --x step)" in capsys.readouterr().err

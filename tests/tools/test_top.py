@@ -115,4 +115,8 @@ def test_live_view_shows_rows_progress_and_events():
     assert "step 4/10" in text and "reward 0.800 " + top.sparkline([0.1, 0.4, 0.3, 0.8]) in text
     assert "loss 0.2500" in text and "replay saving 2.50x" in text
     assert "grader" in text and "dead" in text and "generator gen-9 dead" in text
+    header = next(line for line in text.splitlines() if "spec acc/depth" in line)
+    grader = next(line for line in text.splitlines() if "grader" in line and " reward " in line)
+    assert grader.index("7 ans, 0 ms, 0 err") == header.index("scored")  # its own column, not speculation's
+    assert not grader[header.index("spec acc/depth"):header.index("drafter")].strip(" │┃|")
     assert top.sparkline([0.0, 1.0]) == "▁█"

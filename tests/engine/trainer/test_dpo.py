@@ -1,6 +1,7 @@
 """The DPO trainer mode: pairs from JSONL, gradients equal to the naive DPO ones through the learner the
-trainer uses, the margin rising on the shipped tiny model, exact resume, and `tailrace trainer`/`run`
-as real processes (checkpoint loadable by transformers, metrics.jsonl, summary.json, --resume).
+trainer uses, the margin rising on the shipped tiny model, exact resume, data.epochs passes (shuffled,
+resumable inside an epoch), the data.chat_template saved with the checkpoint's tokenizer, and `tailrace
+trainer`/`run` as real processes (checkpoint loadable by transformers, metrics.jsonl, summary.json, --resume).
 """
 
 import copy
@@ -174,6 +175,45 @@ def test_resume_continues_at_the_data_position(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert summary["step_reward_margins"] == pytest.approx(straight.summary()["step_reward_margins"], rel=1e-4, abs=1e-6)
+
+
+def test_pairs_are_read_data_epochs_times_in_a_new_order_each_and_resume_inside_an_epoch(tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", 6)
+    cfg = DataConfig(source=str(data), epochs=3, shuffle=True, seed=4)
+    pairs = PairSource(cfg, CharTokenizer(), max_tokens=100).take(100)
+    assert len(pairs) == 18 and [p.index for p in pairs] == list(range(18))
+    epochs = [[tuple(p.prompt_ids) for p in pairs[i:i + 6]] for i in (0, 6, 12)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and len({tuple(e) for e in epochs}) == 3
+    resumed = PairSource(cfg, CharTokenizer(), max_tokens=100, position=8).take(100)
+    assert [tuple(p.prompt_ids) for p in resumed] == [tuple(p.prompt_ids) for p in pairs[8:]]
+    assert PairSource(cfg, CharTokenizer(), max_tokens=100).exhausted_text() == \
+        "data exhausted after 3 epochs of 6 rows (data.epochs = 3)"
+
+
+def test_a_dpo_run_honours_data_epochs(tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", 8)
+    summary = DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "100", "--data.epochs", "2")).run()
+    assert summary["steps"] == 4 and summary["pairs_trained"] == 16 and summary["rows_consumed"] == 16
+    assert summary["stop_reason"] == "no more pairs: data exhausted after 2 epochs of 8 rows (data.epochs = 2)"
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trainer/data/epochs_done"] for m in lines] == [0, 1, 1, 2]
+    assert all(m["trainer/time/elapsed_s"] > 0 for m in lines)
+
+
+def test_the_chat_template_it_trained_with_is_saved_with_the_checkpoints_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    text = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }};{% endfor %}[assistant]"
+    template = tmp_path / "chat.jinja"
+    template.write_text(text)
+    turns = [{"role": "user", "content": "rev:abc="}]
+    data = tmp_path / "chat_pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": turns, "chosen": "cba", "rejected": "abc"}) + "\n" for _ in range(4)))
+    summary = DPOTrainer(dpo_config(tmp_path, data, "--train.steps", "1", "--data.chat_template", str(template))).run()
+    saved = AutoTokenizer.from_pretrained(summary["checkpoint"])
+    assert saved.chat_template == text
+    assert saved.apply_chat_template(turns, tokenize=False) == "[user]rev:abc=;[assistant]"
+    assert not models.load_tokenizer("tiny").chat_template  # the shipped one has none: it came from the run
 
 
 def _cli(args, cwd):

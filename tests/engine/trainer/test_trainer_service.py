@@ -1,6 +1,7 @@
 """The trainer service in-process against a fake generator speaking the protocol over tcp loopback:
 bad rollouts are counted as discards with their reason and the run continues; a generator with the
-wrong vocabulary is rejected with a clear reason; accounting holds at the end."""
+wrong vocabulary is rejected with a clear reason; accounting holds at the end; steps whose groups all got
+one reward are said (log, Event "no_signal") and their completions written to samples.jsonl."""
 
 import asyncio
 
@@ -235,3 +236,45 @@ async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_
         for name, value in after_step[version].items():
             torch.testing.assert_close(published[version][name], value, rtol=0, atol=0, msg=f"v{version} {name}")
     assert any(not torch.equal(after_step[1][k], after_step[2][k]) for k in after_step[1])  # the steps changed them
+
+
+@pytest.mark.timeout(120)
+async def test_steps_whose_groups_all_got_one_reward_are_said_and_their_completions_written(tmp_path, caplog):
+    """Every sample of each group writes the same text, so each group has one reward and GRPO no signal: after
+    metrics.no_signal_warn_steps such steps the trainer says so on its log and as Event "no_signal" on the
+    notice socket (what `tailrace run` prints under its progress); samples.jsonl holds the completions."""
+    import json
+
+    service = make_service(tmp_path, "--train.steps", "2", "--train.groups_per_step", "2", "--sampling.group_size",
+                           "2", "--metrics.no_signal_warn_steps", "2", "--trainer.stats_interval_s", "0.2")
+    eos = service.tokenizer.eos_token_id
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    notices = []
+
+    async def listen(tool):
+        while True:
+            notices.append(await tool.recv_notice())
+
+    async with Client(address, role="tool", name="watch") as tool, \
+            Client(address, role="generator", name="gen", capabilities={"vocab_size": service.vocab_size}) as gen:
+        await asyncio.wait_for(tool.connect(), 10)
+        await tool.subscribe()
+        listening = asyncio.create_task(listen(tool))
+        await asyncio.wait_for(gen.connect(), 10)
+        items = []
+        while sum(i.num_samples for i in items) < 8:
+            items += (await take_work(gen, 8 - sum(i.num_samples for i in items))).items
+        for item in items:
+            for sid in range(2):
+                await gen.send(rollout(item, sid, [service.tokenizer.convert_tokens_to_ids("z"), eos]))
+        summary = await asyncio.wait_for(run, 60)
+        await asyncio.sleep(0.3)
+        listening.cancel()
+    said = [n for n in notices if isinstance(n, m.Event) and n.event == "no_signal"]
+    assert len(said) == 1 and said[0].text.startswith("no learning signal: in each of the last 2 steps")
+    assert said[0].fields["steps"] == 2 and said[0].text in caplog.text
+    assert summary["steps_without_signal"] == 2
+    lines = [json.loads(line) for line in (service.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert all(line["completion"] == "z" and len(set(line["group_rewards"])) == 1 for line in lines)

@@ -8,8 +8,8 @@ import dataclasses
 from tailrace.engine.trainer.watchdog import Situation, diagnose
 
 BASE = Situation(waiting_s=12.0, reward_waiting={}, wait_for_server_s=60.0, generators=["gen-0", "gen-1"],
-                 parked=0, held={}, next_lease=None, groups_in_flight=3, groups_complete=1, groups_per_step=8,
-                 scoring=0)
+                 expected_generators=0, parked=0, held={}, next_lease=None, groups_in_flight=3, groups_complete=1,
+                 groups_per_step=8, scoring=0)
 
 
 def say(**changes):
@@ -27,6 +27,16 @@ def test_no_generator_then_held_samples_with_their_lease():
     text = say(held={"gen-1": 2, "gen-0": 4}, next_lease=(7.4, "gen-0"))
     assert "gen-0 holds 4, gen-1 holds 2" in text and "the first lease (gen-0) ends in 7 s" in text
     assert "ends in 0 s" in say(held={"gen-0": 1}, next_lease=(-3.0, "gen-0"))  # never a negative time
+
+
+def test_generators_being_started_are_waited_for_not_asked_for():
+    """`tailrace run` tells the trainer how many generators it starts: while they load, the trainer says
+    it waits for them instead of asking the user to start one."""
+    text = say(generators=[], expected_generators=2)
+    assert text == ("no progress for 12 s: waiting for 2 generators to connect (none yet; each loads the model "
+                    "first, and its log says how far it got)")
+    assert "start one" not in text and "waiting for 1 generator to" in say(generators=[], expected_generators=1)
+    assert "gen-0 holds 1" in say(held={"gen-0": 1}, expected_generators=2)  # once one is there: the usual
 
 
 def test_scoring_parked_and_the_plain_count():
