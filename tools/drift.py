@@ -35,7 +35,7 @@ from pin import canonical, read  # noqa: E402  (tools/ is not a package that is 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_FILES = ("tests/engine/trainer/test_loss.py", "tests/engine/replay/test_replay.py", "tests/protocol/test_codec.py",
               "tests/kernels/test_logprobs.py")
-OPTIONAL = ("vllm", "sglang")  # backends whose modules need their own venv (README: Generator backends)
+OPTIONAL = ("vllm", "sglang")  # backends whose modules need their own venv (docs/scaling.md: Generator backends)
 IMPORT_ALL = f"""
 import importlib, pathlib, sys
 root = pathlib.Path({str(ROOT)!r})
