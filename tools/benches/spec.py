@@ -259,7 +259,7 @@ def measure_cuda_graphs(model_path: str, prompts, log, device: str = "cuda", mod
             totals = _race(backends, requests, batch)
             rate = {name: totals[name][0] / (b.stats.decode_s - decode_before[name]) for name, b in backends.items()}
             out[key][str(batch)] = round(rate[mode] / rate["off"], 3)
-            counters = backends[mode]._static.counters()
+            counters = backends[mode].static_forwards.counters()
             out["cuda_graphs_captured"] += counters["static_forwards_captured"]
             out["cuda_graphs_replayed"] += counters["static_forwards_replayed"]
             log(f"{mode} forwards, batch {batch}{' suffix@3' if spec else ''}: {rate['off']:.0f} -> {rate[mode]:.0f} "

@@ -30,8 +30,10 @@ Two drafters, chosen per step (an Arm: off, eagle@k, suffix@k):
 Randomness: each row draws 2k + 1 uniforms per eagle step from its own generator (k for drafting, k for
 the acceptance tests, one for the final token), however many tokens it accepts, so a seeded sequence
 decodes the same alone or in any batch for the same k; a suffix step draws k + 1 (its drafts, and so a
-seeded row's tokens, depend on the other samples of its prompt). This module is a friend of backend.TorchBackend: it reads
-and writes the backend's row state.
+seeded row's tokens, depend on the other samples of its prompt).
+The backend is used through its public members only (tests/engine/generator/speculation/test_backend_access.py
+checks it): backend.rows, the running rows both share (torch_backend/rows.py: samples, cache, tokens to feed,
+positions, completions, sampling batch), device, policy_version, lm_head, static_forwards and policy_forward().
 Test: pytest tests/engine/generator/speculation/test_speculative.py
 """
 
@@ -264,18 +266,23 @@ class SpeculativeDecoder:
     per-row pending features, and the speculative step. Created by TorchBackend.enable_speculation."""
 
     def __init__(self, backend, drafter: Drafter | None, max_traces: int):
-        """drafter None: model-free (suffix) drafts only, without the EAGLE drafter's cache layer, column
+        """backend: a torch_backend.TorchBackend (its public members: see the module docstring).
+        drafter None: model-free (suffix) drafts only, without the EAGLE drafter's cache layer, column
         states and per-step bookkeeping (and without traces: they are the drafter's training data)."""
         self.backend = backend
+        self.rows = backend.rows
         self.drafter = None if drafter is None else drafter.eval()
-        kv = backend._kv
+        kv = self.rows.kv
         if self.eagle:
             self.layer = kv.add_layer()
-            hidden, dtype = drafter.config.hidden_size, backend._lm_head.weight.dtype
+            hidden, dtype = drafter.config.hidden_size, backend.lm_head.weight.dtype
             self.ids_RC = kv.add_column_state(1, torch.long)[..., 0]  # a view: layout changes move it in place
             self.pos_RC = kv.add_column_state(1, torch.long)[..., 0]  # the token's position (not its column)
             self.feats_RCH = kv.add_column_state(hidden, dtype)       # input feature: the previous token's h
             self.pending_feat_RH = torch.zeros(kv.max_rows, hidden, dtype=dtype, device=backend.device)
+            self.rows.add_row_state(self.pending_feat_RH)  # moves with its row
+            if backend.static_forwards is not None:
+                backend.static_forwards.attach_drafter(self.drafter, self.layer)
         else:
             max_traces = 0
         self.stale_back = 0  # columns end - stale_back .. end - 1 lack true-feature drafter keys/values
@@ -299,7 +306,7 @@ class SpeculativeDecoder:
         """New rows first.. were prefilled with ids_bT (left-padded, ending at column end)."""
         if not self.eagle:
             return
-        kv, rows = self.backend._kv, slice(first, first + len(lengths))
+        kv, rows = self.rows.kv, slice(first, first + len(lengths))
         self.pending_feat_RH[rows] = 0.0
         if ids_bT is None:
             return
@@ -319,8 +326,8 @@ class SpeculativeDecoder:
     def before_plain_forward(self, num_rows: int, col: int) -> None:
         if not self.eagle:
             return
-        self.ids_RC[:num_rows, col] = self.backend._pending_R[:num_rows]
-        self.pos_RC[:num_rows, col] = self.backend._pos_R[:num_rows]
+        self.ids_RC[:num_rows, col] = self.rows.pending_R[:num_rows]
+        self.pos_RC[:num_rows, col] = self.rows.pos_R[:num_rows]
         self.feats_RCH[:num_rows, col] = self.pending_feat_RH[:num_rows]
 
     def after_plain_forward(self, num_rows: int, hidden_BH: torch.Tensor) -> None:
@@ -329,20 +336,16 @@ class SpeculativeDecoder:
             self.pending_feat_RH[:num_rows] = hidden_BH
             self.stale_back += 1
 
-    def row_states(self) -> tuple[torch.Tensor, ...]:
-        """Per-row state the backend compacts with its own when rows leave."""
-        return (self.pending_feat_RH,) if self.eagle else ()
-
     def drafter_changed(self) -> None:
         """New drafter weights: every cached drafter key/value is recomputed at the next step."""
         if not self.eagle:
             return
-        kv = self.backend._kv
+        kv = self.rows.kv
         self.stale_back = kv.end - kv.lo
 
     def capture(self, row: int, tokens: torch.Tensor, num_prompt_tokens: int) -> None:
         """Keep the trace of a finished row (prompt + completion `tokens`) for the spot trainer."""
-        kv = self.backend._kv
+        kv = self.rows.kv
         cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
         hidden = torch.cat((self.feats_RCH[row, cols[1:]], self.pending_feat_RH[row, None]))
         assert hidden.shape[0] == tokens.numel() - 1, "trace: hidden states and tokens out of step"
@@ -361,10 +364,10 @@ class SpeculativeDecoder:
         assert 1 <= k <= MAX_DRAFT_TOKENS
         if not (suffix or self.eagle):
             raise ValueError(f"speculation arm {arm}: speculation was enabled without an EAGLE drafter")
-        b, kv = self.backend, self.backend._kv
-        num_rows = len(b._seqs)
+        b, kv = self.backend, self.rows.kv
+        num_rows = self.rows.num_rows
         kv.make_room(num_rows, k + 1)
-        batch = self._sampling(num_rows)
+        batch = self._sampling()
         num_uniforms = k + 1 if suffix else 2 * k + 1
         uniforms_BU = (torch.zeros(num_rows, num_uniforms, device=b.device) if batch.all_greedy
                        else draw_uniforms_many(batch.generators, num_uniforms, b.device))
@@ -391,20 +394,20 @@ class SpeculativeDecoder:
         """Drafts [B, k] from the suffix indexes: each row's new tokens are added to its prompt's index
         first (one host copy of the columns some row has not added yet), then the longest match of its
         last tokens proposes; rows with a short or no proposal are padded with their pending token."""
-        b = self.backend
+        rows = self.rows
         # The pending column gets its drafter inputs as in a plain step; its drafter keys/values, and
         # those of this step's columns, are computed at the next eagle step.
         if self.eagle:
-            self.before_plain_forward(num_rows, b._kv.end)
+            self.before_plain_forward(num_rows, rows.kv.end)
             self._stale_carry = self.stale_back + 1
         texts = []
-        for seq in b._seqs:
+        for seq in rows.seqs:
             if seq.suffix is None:
                 seq.suffix = self.suffix.start(seq.request.prompt_ids)
             texts.append(seq.suffix)
-        num_gen = b._num_gen_R[:num_rows].tolist()
+        num_gen = rows.num_gen_R[:num_rows].tolist()
         lo, hi = min(t.num_indexed for t in texts), max(num_gen)
-        block = b._out_tokens_RL[:num_rows, lo:hi].tolist() if hi > lo else None
+        block = rows.out_tokens_RL[:num_rows, lo:hi].tolist() if hi > lo else None
         proposals, fallback = [], []
         for row, text in enumerate(texts):
             if num_gen[row] > text.num_indexed:
@@ -412,7 +415,7 @@ class SpeculativeDecoder:
                 text.num_indexed = num_gen[row]
             proposals.append(self.suffix.propose(text, k))
             fallback.append(text.index.seqs[text.seq_id][-1])
-        return pad_drafts(proposals, k, fallback).to(b.device, non_blocking=True)
+        return pad_drafts(proposals, k, fallback).to(rows.device, non_blocking=True)
 
     def on_finish(self, seq, completion_ids: list[int]) -> None:
         """A finished sample's text joins its prompt's index, for the prompt's later samples."""
@@ -420,14 +423,12 @@ class SpeculativeDecoder:
             seq.suffix = self.suffix.start(seq.request.prompt_ids)
         self.suffix.add_tokens(seq.suffix, completion_ids)
 
-    def _sampling(self, num_rows: int) -> SamplingBatch:
-        b = self.backend
-        if b._sampling is None:
-            b._sampling = SamplingBatch.build([s.request.sampling for s in b._seqs],
-                                              [s.generator for s in b._seqs], b.device)
-        if self._batch_of is not b._sampling:
-            self._batch_of, self._batches = b._sampling, {}
-        return b._sampling
+    def _sampling(self) -> SamplingBatch:
+        """The rows' sampling batch; the repeats made of the previous one are dropped when it changed."""
+        batch = self.rows.sampling()
+        if self._batch_of is not batch:
+            self._batch_of, self._batches = batch, {}
+        return batch
 
     def _repeated(self, num: int) -> SamplingBatch:
         if num not in self._batches:
@@ -437,13 +438,13 @@ class SpeculativeDecoder:
     def _draft(self, num_rows: int, k: int, batch: SamplingBatch, u_BK: torch.Tensor):
         """Catch the drafter up to the pending token, then draft k tokens. Returns (drafts [B, k],
         the drafter's processed probabilities [B, k, V], exp of its processed log-probs)."""
-        b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
-        end = kv.end
+        b, state, rows = self.backend, self.rows, slice(0, num_rows)
+        kv, end = state.kv, state.kv.end
         # The pending column and the k - 1 draft columns the drafter itself writes; a forward at column
         # c attends only up to c, so later ones being marked already changes nothing.
         kv.valid_RC[rows, end:end + k] = True
-        self.ids_RC[rows, end] = b._pending_R[rows]
-        self.pos_RC[rows, end] = b._pos_R[rows]
+        self.ids_RC[rows, end] = state.pending_R[rows]
+        self.pos_RC[rows, end] = state.pos_R[rows]
         self.feats_RCH[rows, end] = self.pending_feat_RH[rows]
         start = max(end - self.stale_back, kv.lo)
         kv.set_window(rows, start, kv.lo)
@@ -453,11 +454,11 @@ class SpeculativeDecoder:
         # Every op of the loop below runs k times per step, and on a CPU each dispatch costs about as
         # much as its arithmetic: so the rotary factors of the k positions are looked up once, and the
         # draws and probabilities are written into their [B, k] buffers instead of being concatenated.
-        forward, logits, static = self.drafter.forward, self.drafter.logits, b._static
+        forward, logits, static = self.drafter.forward, self.drafter.logits, b.static_forwards
         hidden_B1H = forward(self.ids_RC[rows, window], self.feats_RCH[rows, window], self.pos_RC[rows, window],
                              mask, cache=kv, layer_idx=self.layer)[:, -1:]
         self.stale_back = self._stale_carry = 0
-        turns_B1Kc = self.drafter.rotary(b._pos_R[rows, None] + self._aranges(k))
+        turns_B1Kc = self.drafter.rotary(state.pos_R[rows, None] + self._aranges(k))
         drafts_BK, q_BKV = torch.empty(num_rows, k, dtype=torch.long, device=b.device), None
         # One-token draft forwards: their masks are prefixes of this one (columns lo .. end + k - 1).
         mask_B11K = kv.valid_RC[rows, kv.lo:end + k][:, None, None]
@@ -485,17 +486,13 @@ class SpeculativeDecoder:
 
     def _verify(self, num_rows: int, k: int, drafts_BK: torch.Tensor):
         """One policy forward over [pending, drafts]: hidden [B, k+1, H] and processed log-probs."""
-        b, kv, rows = self.backend, self.backend._kv, slice(0, num_rows)
-        end = kv.end
-        kv.valid_RC[rows, end:end + k + 1] = True
-        ids_BN = torch.cat((b._pending_R[rows, None], drafts_BK), dim=1)
-        positions_BN = b._pos_R[rows, None] + self._aranges(k + 1)
-        if b._static is not None:
-            hidden_BNH = b._static.policy(num_rows, ids_BN, positions_BN, end)
-        else:
-            kv.set_window(rows, end, kv.lo)
-            hidden_BNH = b._forward(ids_BN, positions_BN, kv.attention_mask(rows, end, k + 1, kv.lo))
-        logits_MV = b._lm_head(hidden_BNH).flatten(0, 1)
+        b, state, rows = self.backend, self.rows, slice(0, num_rows)
+        end = state.kv.end
+        state.kv.valid_RC[rows, end:end + k + 1] = True
+        ids_BN = torch.cat((state.pending_R[rows, None], drafts_BK), dim=1)
+        positions_BN = state.pos_R[rows, None] + self._aranges(k + 1)
+        hidden_BNH = b.policy_forward(num_rows, ids_BN, positions_BN, end)
+        logits_MV = b.lm_head(hidden_BNH).flatten(0, 1)
         p_BNV = processed_logprobs(logits_MV, self._repeated(k + 1)).view(num_rows, k + 1, -1)
         return hidden_BNH, p_BNV
 
@@ -505,7 +502,7 @@ class SpeculativeDecoder:
         num_emit_B on the host; accepted: each row's accepted drafts, on the host). The columns no row keeps (past the widest row's emitted tokens) are
         handed back: end advances by that many, not k + 1, so a batch of one never leaves holes and
         attention windows stay short."""
-        b, kv, k = self.backend, self.backend._kv, arm.k
+        state, kv, k = self.rows, self.rows.kv, arm.k
         num_rows = tokens_BN.shape[0]
         rows, end = slice(0, num_rows), kv.end
         arange_N = self._aranges(k + 1)
@@ -515,10 +512,10 @@ class SpeculativeDecoder:
         kv.end = end + max_emit
         if self.eagle:
             self.ids_RC[rows, end + 1:end + k + 1] = tokens_BN[:, :k]
-            self.pos_RC[rows, end + 1:end + k + 1] = b._pos_R[rows, None] + arange_N[1:]
+            self.pos_RC[rows, end + 1:end + k + 1] = state.pos_R[rows, None] + arange_N[1:]
             self.feats_RCH[rows, end + 1:end + k + 1] = hidden_BNH[:, :k]
             last_B = num_emit_B - 1
-            self.pending_feat_RH[rows] = hidden_BNH[b._arange_R[:num_rows], last_B]
+            self.pending_feat_RH[rows] = hidden_BNH[state.arange_R[:num_rows], last_B]
             # After an eagle step the pending column's drafter keys/values were computed from its true
             # feature; the emitted drafts after it were fed predicted features, so they are recomputed
             # at the next step. A suffix step adds its columns to the stale ones it found (_stale_carry).

@@ -6,12 +6,14 @@
     update_weights() between steps: running rows keep their cache (PipelineRL-style in-flight update)
 
 Every step feeds each running row exactly one token (a new row's first fed token is the last prompt
-token), so sampling, log-probs, versions and stop checks happen once per step, batched. Rows and
-their key/value columns live in kv.SlotKVCache; attention masks and positions are built here and
-passed to the model, so no Hugging Face mask or cache logic is involved.
+token), so sampling, log-probs, versions and stop checks happen once per step, batched. The running
+rows (their samples, tokens to feed, positions, budgets, stop ids and completions) are rows.RowState,
+self.rows, shared with speculative decoding; their key/value columns live in its kv.SlotKVCache.
+Attention masks and positions are built here and passed to the model, so no Hugging Face mask or cache
+logic is involved.
 Speculative decoding (enable_speculation: a drafter and a depth policy, e.g. the bandit, choosing an arm:
 off, eagle@k or the model-free suffix@k) replaces the decode step by speculative.SpeculativeDecoder.step
-(one host sync per step): k drafted tokens verified by one _forward() with
+(one host sync per step): k drafted tokens verified by one policy_forward() with
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
@@ -52,11 +54,8 @@ from tailrace.engine.generator.speculation.speculative import (
 )
 from tailrace.engine.generator.torch_backend.graphs import StaticForwards, resolve_mode
 from tailrace.engine.generator.torch_backend.kv import SlotKVCache
+from tailrace.engine.generator.torch_backend.rows import RowState
 from tailrace.engine.generator.torch_backend.tree import TreeSampling, entropy, plan_forks, take_trunks
-from tailrace.protocol.messages import SamplingParams
-
-_NO_TOKEN = -1  # fills unused stop-id slots; never a sampled token
-_MAX_STOP_IDS = 64  # SamplingParams.stop_token_ids max_len
 
 
 @dataclass
@@ -88,7 +87,9 @@ class TorchBackend:
 
     Not thread-safe: one owner calls add/step/cancel/update_weights. `pause_admission = True` makes
     step() finish the running rows without admitting new ones (the "finish running sequences first"
-    weight-update mode); drain() does that to the end. Implements interface.Backend and SpeculationHooks."""
+    weight-update mode); drain() does that to the end. Implements interface.Backend and SpeculationHooks.
+    Speculation (speculative.SpeculativeDecoder) uses only public members: rows, device, policy_version,
+    lm_head, static_forwards and policy_forward()."""
 
     name = "torch"
 
@@ -119,18 +120,19 @@ class TorchBackend:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
-        # Spare columns: a speculative step writes k + 1 columns even for a row one token from its end.
-        self._kv = SlotKVCache(num_layers=model.config.num_hidden_layers, max_rows=max_batch_size,
-                               capacity=max_model_len + MAX_DRAFT_TOKENS, device=self.device)
+        # Spare columns: a speculative step writes k + 1 columns even for a row one token from its end,
+        # and completion entries for its k + 1 tokens past any row's budget.
+        kv = SlotKVCache(num_layers=model.config.num_hidden_layers, max_rows=max_batch_size,
+                         capacity=max_model_len + MAX_DRAFT_TOKENS, device=self.device)
+        self.rows = RowState(kv, max_model_len=max_model_len, spare=MAX_DRAFT_TOKENS,
+                             eos_token_ids=self.eos_token_ids)
+        """The running rows (rows.RowState), shared with the speculative decoder."""
         mode = resolve_mode(static_forwards, self.device)
-        self._static = None if mode == "off" else StaticForwards(self, mode)
+        self._static = None if mode == "off" else StaticForwards(kv, self._forward, mode)
         self._spec: SpeculativeDecoder | None = None
         self._depth_policy = None  # choose(num_running) -> k, update(num_running, k, num_tokens, seconds)
         self._waiting: deque[_Seq] = deque()
-        self._seqs: list[_Seq] = []  # running rows, in row order
-        self._sampling: SamplingBatch | None = None  # rebuilt when rows join or leave
         self._num_unstamped = 0
-        self._alloc_row_state()
 
     @staticmethod
     def _check_args(config, max_batch_size: int, max_model_len: int) -> None:
@@ -150,25 +152,11 @@ class TorchBackend:
             raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window {window}; the torch "
                              "backend supports sliding-window models only within their window")
 
-    def _alloc_row_state(self) -> None:
-        # Completion buffers have room for a speculative step's k + 1 tokens past any row's budget.
-        rows, length, dev = self.max_batch_size, self.max_model_len + MAX_DRAFT_TOKENS + 1, self.device
-        self._pending_R = torch.zeros(rows, dtype=torch.long, device=dev)  # next token to feed
-        self._pos_R = torch.zeros(rows, dtype=torch.long, device=dev)      # its position
-        self._num_gen_R = torch.zeros(rows, dtype=torch.long, device=dev)
-        self._limit_R = torch.zeros(rows, dtype=torch.long, device=dev)    # completion length cap
-        self._stop_RS = torch.full((rows, _MAX_STOP_IDS + len(self.eos_token_ids)), _NO_TOKEN,
-                                   dtype=torch.long, device=dev)
-        self._out_tokens_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
-        self._out_logprobs_RL = torch.zeros(rows, length, dtype=torch.float32, device=dev)
-        self._out_versions_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
-        self._arange_R = torch.arange(rows, device=dev)
-
     # ------------------------------------------------------------------ queries
 
     @property
     def num_running(self) -> int:
-        return len(self._seqs)
+        return self.rows.num_rows
 
     @property
     def vocab_size(self) -> int:
@@ -179,13 +167,23 @@ class TorchBackend:
         """The policy (speculative decoding builds its drafter for it)."""
         return self._model
 
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The policy's output layer: logits from the final hidden states policy_forward returns."""
+        return self._lm_head
+
+    @property
+    def static_forwards(self) -> StaticForwards | None:
+        """The fixed-shape (CUDA graph) forwards, or None where forwards run eagerly (graphs.py)."""
+        return self._static
+
     def close(self) -> None:
         """Nothing to release: the model is an ordinary module."""
 
     @property
     def num_waiting(self) -> int:
         """Requests not running yet, tree sampling's held branches included."""
-        return len(self._waiting) + sum(len(s.branches) for s in self._seqs)
+        return len(self._waiting) + sum(len(s.branches) for s in self.rows.seqs)
 
     def capacity(self) -> int:
         """Requests this backend can take now without queueing beyond one batch."""
@@ -201,7 +199,7 @@ class TorchBackend:
         (at most max_traces kept, default 4 x max_batch_size; 0 keeps none and skips capturing them).
         drafter None: suffix drafts only, none of the drafter's bookkeeping (no traces); a policy that
         picks an eagle arm then gets a ValueError. Call before any request runs."""
-        if self._seqs or self._kv.end:
+        if self.rows.seqs or self.rows.kv.end:
             raise ValueError("enable_speculation must be called before the backend runs any request")
         if self._spec is not None:
             raise ValueError("speculation is already enabled; update the drafter with update_drafter()")
@@ -261,7 +259,7 @@ class TorchBackend:
         out = [self._finished(s, _empty_completion(), "cancelled")
                for s in self._waiting if s.request.group_id in groups]
         self._waiting = deque(s for s in self._waiting if s.request.group_id not in groups)
-        rows = [i for i, s in enumerate(self._seqs) if s.request.group_id in groups]
+        rows = [i for i, s in enumerate(self.rows.seqs) if s.request.group_id in groups]
         return out + self._finish_rows(rows, ["cancelled"] * len(rows))
 
     # inference_mode, not no_grad: a quarter less per-op overhead on a CPU. Everything that leaves the
@@ -273,10 +271,10 @@ class TorchBackend:
         return the samples that finished in it."""
         if not self.pause_admission:
             self._admit()
-        if not self._seqs:
+        if not self.rows.seqs:
             return []
         start_s = time.monotonic()
-        num_rows, num_before = len(self._seqs), self.stats.num_generated_tokens
+        num_rows, num_before = self.rows.num_rows, self.stats.num_generated_tokens
         arm = self._choose_arm(num_rows)
         if arm.k == 0:
             tokens_B, logprobs_B = self._decode_step()
@@ -321,11 +319,11 @@ class TorchBackend:
     # ------------------------------------------------------------------ admission (prefill)
 
     def _admit(self) -> None:
-        num_new = min(self.max_batch_size - len(self._seqs), len(self._waiting))
+        num_new = min(self.max_batch_size - self.rows.num_rows, len(self._waiting))
         if num_new == 0:
             return
         start_s = time.monotonic()
-        first = len(self._seqs)
+        first = self.rows.num_rows
         if self.tree is None:
             new = [self._waiting.popleft() for _ in range(num_new)]
         else:  # a trunk holds the waiting samples of its group, so fewer rows may start
@@ -338,59 +336,58 @@ class TorchBackend:
         prompts = [s.request.prompt_ids for s in new]
         lengths = [len(p) - 1 for p in prompts]  # the last prompt token is fed by the decode step
         width = max(lengths)
-        self._kv.reserve_left(first, width)
-        self._kv.place_rows(first, lengths)
+        self.rows.kv.reserve_left(first, width)
+        self.rows.kv.place_rows(first, lengths)
         ids_bT = hidden_bTH = None
         if width > 0:
             ids_bT, hidden_bTH = self._prefill(first, prompts[:num_unique], lengths[:num_unique], width)
             if num_unique < num_new:
-                self._kv.copy_rows([first + i for i in source[num_unique:]], list(range(first + num_unique, first + num_new)))
+                self.rows.kv.copy_rows([first + i for i in source[num_unique:]],
+                                       list(range(first + num_unique, first + num_new)))
                 index = torch.tensor(source, device=self.device)
                 ids_bT, hidden_bTH = ids_bT[index], hidden_bTH[index]
-        self._init_rows(first, new)
+        self.rows.admit(new)
         if self._spec is not None:
             self._spec.on_admit(first, lengths, ids_bT, hidden_bTH)
-        self._seqs.extend(new)
         self._num_unstamped = num_new  # rows at the end that get their first token this step
-        self._sampling = None
         self.stats.num_prefill_tokens += sum(lengths[:num_unique])
         self.stats.prefill_s += time.monotonic() - start_s
 
     def _fork_rows(self) -> None:
         """Fixed-depth mode, after a step: fork every row that holds samples and reached its next depth."""
         depths = self.tree.fork_depths
-        due = [i for i, s in enumerate(self._seqs) if s.branches]
+        due = [i for i, s in enumerate(self.rows.seqs) if s.branches]
         if not depths or not due:
             return
-        lengths = self._num_gen_R[due].tolist()
+        lengths = self.rows.num_gen_R[due].tolist()
         forks = [(row, self.tree.next_fork(n)) for row, n in zip(due, lengths, strict=True)
-                 if n >= depths[self._seqs[row].next_fork]]
+                 if n >= depths[self.rows.seqs[row].next_fork]]
         self._fork([row for row, _ in forks], [next_fork for _, next_fork in forks])
 
     def _fork_uncertain_rows(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """Entropy mode, between the forward and the draw: fork every row holding samples whose next
         token's distribution is uncertain enough; returns the logits with the clones' rows appended."""
-        due = [i for i, s in enumerate(self._seqs) if s.branches]
+        due = [i for i, s in enumerate(self.rows.seqs) if s.branches]
         if not due:
             return logits_BV
-        seqs = [self._seqs[i] for i in due]
+        seqs = [self.rows.seqs[i] for i in due]
         batch = SamplingBatch.build([s.request.sampling for s in seqs], [s.generator for s in seqs], self.device)
         entropy_b = entropy(processed_logprobs(logits_BV[due], batch)).tolist()
         rows = [row for row, h in zip(due, entropy_b, strict=True) if h > self.tree.fork_entropy]
         if not rows:
             return logits_BV
         self._stamp_first_tokens()  # before clones join the end of the batch
-        sources = self._fork(rows, [self._seqs[row].next_fork + 1 for row in rows])
+        sources = self._fork(rows, [self.rows.seqs[row].next_fork + 1 for row in rows])
         return torch.cat((logits_BV, logits_BV[sources])) if sources else logits_BV
 
     def _fork(self, rows: list[int], next_forks: list[int]) -> list[int]:
         """Fork these rows (tree.plan_forks) into clone rows appended to the batch, as far as free rows
         allow; samples a row will never fork go back to the queue. Returns the clones' source rows."""
-        free = self.max_batch_size - len(self._seqs)
-        sources, clones, requeue = plan_forks(self._seqs, rows, next_forks, self.tree, free)
+        free = self.max_batch_size - self.rows.num_rows
+        sources, clones, requeue = plan_forks(self.rows.seqs, rows, next_forks, self.tree, free)
         self._requeue(requeue)
         if clones:
-            self._add_clones(sources, clones)
+            self.rows.add_copies(sources, clones)
         return sources
 
     def _requeue(self, seqs: list[_Seq]) -> None:
@@ -398,28 +395,6 @@ class TorchBackend:
         for seq in seqs:
             seq.tree_done = True
         self._waiting.extendleft(reversed(seqs))
-
-    def _add_clones(self, sources: list[int], clones: list[_Seq]) -> None:
-        """Append clone rows that continue from rows `sources`: same cache, outputs and budget."""
-        first = len(self._seqs)
-        self._move_rows(sources, list(range(first, first + len(sources))))
-        self._seqs.extend(clones)
-        self._sampling = None
-
-    def _init_rows(self, first: int, new: list[_Seq]) -> None:
-        rows, dev = slice(first, first + len(new)), self.device
-        prompts = [s.request.prompt_ids for s in new]
-        self._pending_R[rows] = torch.tensor([p[-1] for p in prompts], device=dev)
-        self._pos_R[rows] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        self._num_gen_R[rows] = 0
-        limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(s.request.prompt_ids))
-                  for s in new]
-        self._limit_R[rows] = torch.tensor(limits, device=dev)
-        self._stop_RS[rows] = torch.tensor([self._stop_row(s.request.sampling) for s in new], device=dev)
-
-    def _stop_row(self, sampling: SamplingParams) -> list[int]:
-        ids = sorted(set(sampling.stop_token_ids[:_MAX_STOP_IDS]) | set(self.eos_token_ids))
-        return ids + [_NO_TOKEN] * (self._stop_RS.shape[1] - len(ids))
 
     def _prefill(self, first: int, prompts: list[list[int]], lengths: list[int], width: int):
         """Cache prompt[:-1] of the new rows, left-padded to `width`, ending at column kv.end.
@@ -429,9 +404,9 @@ class TorchBackend:
         pad_b = torch.tensor([width - n for n in lengths], device=self.device)
         positions_bT = (torch.arange(width, device=self.device) - pad_b[:, None]).clamp_min(0)
         rows = slice(first, first + len(prompts))
-        start = self._kv.end - width
-        self._kv.set_window(rows, start, start)
-        hidden_bTH = self._forward(ids_bT, positions_bT, self._kv.attention_mask(rows, start, width, start))
+        start = self.rows.kv.end - width
+        self.rows.kv.set_window(rows, start, start)
+        hidden_bTH = self._forward(ids_bT, positions_bT, self.rows.kv.attention_mask(rows, start, width, start))
         return ids_bT, hidden_bTH
 
     # ------------------------------------------------------------------ decoding
@@ -445,50 +420,55 @@ class TorchBackend:
             mask_B1TK = torch.zeros(mask_B1TK.shape, dtype=self._lm_head.weight.dtype,
                                     device=self.device).masked_fill(~mask_B1TK, neg)
         out = self._base(input_ids=ids_BT, position_ids=positions_BT, attention_mask=mask_B1TK,
-                         use_cache=True, **{self._cache_kwarg: self._kv})
+                         use_cache=True, **{self._cache_kwarg: self.rows.kv})
         return out.last_hidden_state
 
+    def policy_forward(self, num_rows: int, ids_BT: torch.Tensor, positions_BT: torch.Tensor,
+                       write_col: int) -> torch.Tensor:
+        """The policy over T new tokens for each of rows 0 .. num_rows - 1, written to the cache at columns
+        write_col .. write_col + T - 1 (the caller has marked them valid), attending to the rows' valid
+        columns: the final hidden states [num_rows, T, H]. A plain decode step feeds T = 1, a speculative
+        verify T = k + 1; a fixed-shape (graph) forward where static_forwards are on, else the eager window."""
+        if self._static is not None:
+            return self._static.policy(num_rows, ids_BT, positions_BT, write_col)
+        kv, rows = self.rows.kv, slice(0, num_rows)
+        kv.set_window(rows, write_col, kv.lo)
+        return self._forward(ids_BT, positions_BT, kv.attention_mask(rows, write_col, ids_BT.shape[1], kv.lo))
+
     def _decode_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        num_rows, kv = len(self._seqs), self._kv
+        num_rows, kv = self.rows.num_rows, self.rows.kv
         kv.make_room(num_rows, 1)
         rows, col = slice(0, num_rows), kv.end
         kv.valid_RC[rows, col] = True
         if self._spec is not None:
             self._spec.before_plain_forward(num_rows, col)
-        if self._static is None:
-            kv.set_window(rows, col, kv.lo)
-            hidden_BTH = self._forward(self._pending_R[rows, None], self._pos_R[rows, None],
-                                       kv.attention_mask(rows, col, 1, kv.lo))
-        else:
-            hidden_BTH = self._static.policy(num_rows, self._pending_R[rows, None], self._pos_R[rows, None], col)
+        hidden_BTH = self.policy_forward(num_rows, self.rows.pending_R[rows, None], self.rows.pos_R[rows, None],
+                                         col)
         kv.end += 1
         if self._spec is not None:
             self._spec.after_plain_forward(num_rows, hidden_BTH[:, -1])
         logits_BV = self._lm_head(hidden_BTH[:, -1])
         if self.tree is not None and self.tree.fork_entropy is not None:
             logits_BV = self._fork_uncertain_rows(logits_BV)
-        if self._sampling is None:
-            self._sampling = SamplingBatch.build([s.request.sampling for s in self._seqs],
-                                                 [s.generator for s in self._seqs], self.device)
-        return sample(logits_BV, self._sampling)
+        return sample(logits_BV, self.rows.sampling())
 
     def _record_and_collect(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> list[Finished]:
-        num_rows = len(self._seqs)
-        rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]
-        num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
-        self._out_tokens_RL[arange_B, num_gen_B] = tokens_B
-        self._out_logprobs_RL[arange_B, num_gen_B] = logprobs_B
-        self._out_versions_RL[arange_B, num_gen_B] = self.policy_version
+        num_rows = self.rows.num_rows
+        rows, arange_B = slice(0, num_rows), self.rows.arange_R[:num_rows]
+        num_gen_B = self.rows.num_gen_R[rows]  # a view: the += below advances the row state itself
+        self.rows.out_tokens_RL[arange_B, num_gen_B] = tokens_B
+        self.rows.out_logprobs_RL[arange_B, num_gen_B] = logprobs_B
+        self.rows.out_versions_RL[arange_B, num_gen_B] = self.policy_version
         num_gen_B += 1
-        self._pos_R[rows] += 1
-        self._pending_R[rows] = tokens_B
+        self.rows.pos_R[rows] += 1
+        self.rows.pending_R[rows] = tokens_B
         self.stats.num_generated_tokens += num_rows
-        return self._collect_done((self._stop_RS[rows] == tokens_B[:, None]).any(-1), num_gen_B, rows)
+        return self._collect_done((self.rows.stop_RS[rows] == tokens_B[:, None]).any(-1), num_gen_B, rows)
 
     def _collect_done(self, hit_B: torch.Tensor, num_gen_B: torch.Tensor, rows: slice) -> list[Finished]:
         """After a step: stamp first-token times, finish rows that hit a stop token or their budget."""
         self._stamp_first_tokens()
-        done_B = hit_B | (num_gen_B >= self._limit_R[rows])
+        done_B = hit_B | (num_gen_B >= self.rows.limit_R[rows])
         if not bool(done_B.any()):
             return []
         done_rows = done_B.nonzero().flatten().tolist()
@@ -497,7 +477,7 @@ class TorchBackend:
 
     def _stamp_first_tokens(self) -> None:
         now = time.monotonic()
-        for seq in self._seqs[len(self._seqs) - self._num_unstamped:]:
+        for seq in self.rows.seqs[self.rows.num_rows - self._num_unstamped:]:
             seq.first_token_s = now
         self._num_unstamped = 0
 
@@ -511,18 +491,19 @@ class TorchBackend:
     def _speculative_step(self, arm: Arm) -> list[Finished]:
         """One speculative step (speculation/speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
         at their budget."""
-        num_rows, k = len(self._seqs), arm.k
-        rows, arange_B = slice(0, num_rows), self._arange_R[:num_rows]
+        num_rows, k = self.rows.num_rows, arm.k
+        rows, arange_B = slice(0, num_rows), self.rows.arange_R[:num_rows]
         tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH = self._spec.step(arm)
-        stop_BN = (self._stop_RS[rows, None, :] == tokens_BN[:, :, None]).any(-1)
+        stop_BN = (self.rows.stop_RS[rows, None, :] == tokens_BN[:, :, None]).any(-1)
         num_new = k + 1
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
-        num_gen_B = self._num_gen_R[rows]  # a view: the += below advances the row state itself
-        num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B), self._limit_R[rows] - num_gen_B)
+        num_gen_B = self.rows.num_gen_R[rows]  # a view: the += below advances the row state itself
+        num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B),
+                                   self.rows.limit_R[rows] - num_gen_B)
         last_B = num_emit_B - 1
         # Emission is cut at the first stop, so only the last emitted token can be one.
         hit_B = stop_BN[arange_B, last_B]
-        done_B = hit_B | (num_gen_B + num_emit_B >= self._limit_R[rows])
+        done_B = hit_B | (num_gen_B + num_emit_B >= self.rows.limit_R[rows])
         # The step's one host sync: emitted tokens (the total and the widest row), accepted drafts (for
         # the statistics), and the rows that finish.
         emit_counts, accepted, done, hit = torch.stack(
@@ -531,12 +512,12 @@ class TorchBackend:
         self._spec.commit(arm, tokens_BN, num_emit_B, emit_counts, hidden_BNH, accepted)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.
         index_BN = num_gen_B[:, None] + torch.arange(num_new, device=self.device)
-        self._out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
-        self._out_logprobs_RL[rows].scatter_(1, index_BN, logprobs_BN)
-        self._out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
+        self.rows.out_tokens_RL[rows].scatter_(1, index_BN, tokens_BN)
+        self.rows.out_logprobs_RL[rows].scatter_(1, index_BN, logprobs_BN)
+        self.rows.out_versions_RL[rows].scatter_(1, index_BN, self.policy_version)
         num_gen_B += num_emit_B
-        self._pos_R[rows] += num_emit_B
-        self._pending_R[rows] = tokens_BN[arange_B, last_B]
+        self.rows.pos_R[rows] += num_emit_B
+        self.rows.pending_R[rows] = tokens_BN[arange_B, last_B]
         self.stats.num_generated_tokens += num_emitted
         self._stamp_first_tokens()
         done_rows = [row for row, is_done in enumerate(done) if is_done]
@@ -546,12 +527,11 @@ class TorchBackend:
         """Build the Finished of these running rows and remove them from the batch."""
         if not rows:
             return []
-        lengths = self._num_gen_R[rows].tolist()
+        lengths = self.rows.num_gen_R[rows].tolist()
         out, requeue = [], []
         for row, length, reason in zip(rows, lengths, reasons, strict=True):
-            completion = (self._out_tokens_RL[row, :length].cpu(), self._out_logprobs_RL[row, :length].cpu(),
-                          self._out_versions_RL[row, :length].cpu())
-            seq = self._seqs[row]
+            completion = tuple(t.cpu() for t in self.rows.completion(row, length))
+            seq = self.rows.seqs[row]
             out.append(self._finished(seq, completion, reason))
             # Held samples of a row that ends before forking them start over as requests of their own.
             if reason == "cancelled":
@@ -562,36 +542,11 @@ class TorchBackend:
             if self._spec is not None and reason != "cancelled":
                 self._spec.on_finish(seq, completion[0].tolist())
             if self._spec is not None and self._spec.traces.maxlen and reason != "cancelled":
-                prompt = torch.tensor(self._seqs[row].request.prompt_ids, dtype=torch.long, device=self.device)
-                self._spec.capture(row, torch.cat((prompt, self._out_tokens_RL[row, :length])), len(prompt))
-        self._remove_rows(set(rows))
+                prompt = torch.tensor(seq.request.prompt_ids, dtype=torch.long, device=self.device)
+                self._spec.capture(row, torch.cat((prompt, self.rows.out_tokens_RL[row, :length])), len(prompt))
+        self.rows.remove(set(rows))
         self._requeue(requeue)
         return out
-
-    def _remove_rows(self, drop: set[int]) -> None:
-        """Swap-remove: the last rows that stay move into the holes, so removing d rows copies at most d
-        rows of cache and state, not the whole batch (rows have no order that matters)."""
-        num_keep = len(self._seqs) - len(drop)
-        holes = sorted(row for row in drop if row < num_keep)
-        movers = [row for row in range(num_keep, len(self._seqs)) if row not in drop]
-        if holes:
-            self._move_rows(movers, holes)
-            for source, dest in zip(movers, holes, strict=True):
-                self._seqs[dest] = self._seqs[source]
-        del self._seqs[num_keep:]
-        self._sampling = None
-        # Leaving rows may have been the longest ones: narrowing the window shortens attention.
-        self._kv.trim_lo(num_keep)
-
-    def _move_rows(self, sources: list[int], dests: list[int]) -> None:
-        """Copy the cache and state of rows `sources` over rows `dests`, pairwise (not self._seqs)."""
-        self._kv.copy_rows(sources, dests)
-        src = torch.tensor(sources, dtype=torch.long, device=self.device)
-        dst = torch.tensor(dests, dtype=torch.long, device=self.device)
-        spec_states = () if self._spec is None else self._spec.row_states()
-        for state in (self._pending_R, self._pos_R, self._num_gen_R, self._limit_R, self._stop_RS,
-                      self._out_tokens_RL, self._out_logprobs_RL, self._out_versions_RL, *spec_states):
-            state[dst] = state[src]
 
     def _finished(self, seq: _Seq, completion: Sequence[torch.Tensor], reason: str) -> Finished:
         now = time.monotonic()

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tailrace.engine.generator.torch_backend.kv import SlotKVCache
+
 MODES = ("auto", "graphs", "static", "off")
 
 
@@ -78,16 +80,25 @@ class StaticForwards:
     """The backend's fixed-shape forwards (see the module docstring). policy() and drafter() return
     views of static output buffers: valid until the next call of the same (forward, rows, tokens, window)."""
 
-    def __init__(self, backend, mode: str):
-        self.backend = backend
+    def __init__(self, kv: SlotKVCache, forward: Callable[..., torch.Tensor], mode: str):
+        """kv: the backend's cache (rows.RowState.kv); forward(ids_BT, positions_BT, mask_B1TW): the policy's
+        final hidden states for new tokens written through kv's current window (the backend's eager forward)."""
+        self.kv = kv
+        self.forward = forward
         self.mode = mode
-        kv = backend._kv
         self.max_rows = kv.max_rows
-        self._col_C = torch.arange(kv.capacity, device=backend.device)
+        self._col_C = torch.arange(kv.capacity, device=kv.device)
+        self._drafter = None  # attach_drafter(): the EAGLE drafter and its cache layer
+        self._drafter_layer = -1
         self._entries: dict[tuple[str, int, int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self.num_captured = 0
         self.num_replayed = 0
+
+    def attach_drafter(self, drafter, layer: int) -> None:
+        """The EAGLE drafter whose one-token forwards drafter() runs, writing its keys/values at cache layer
+        `layer` (speculative.SpeculativeDecoder attaches it once; its weights change in place)."""
+        self._drafter, self._drafter_layer = drafter, layer
 
     # ------------------------------------------------------------------ the forwards
 
@@ -109,22 +120,22 @@ class StaticForwards:
         col_W = self._col_C[:window]
         causal_TW = col_W[None, :] <= cols_T[:, None]
         own_TW = col_W[None, :] == cols_T[:, None]
-        valid_BW = self.backend._kv.valid_RC[:num_rows, :window]
+        valid_BW = self.kv.valid_RC[:num_rows, :window]
         return ((valid_BW[:, None, :] & causal_TW) | own_TW)[:, None]
 
     def _policy_body(self, s: dict[str, torch.Tensor], window: int) -> torch.Tensor:
         num_rows, num_new = s["ids"].shape
         cols_T = s["col"] + self._col_C[:num_new]
-        with self.backend._kv.static(num_rows, cols_T, window):
-            return self.backend._forward(s["ids"], s["pos"], self._mask(num_rows, cols_T, window))
+        with self.kv.static(num_rows, cols_T, window):
+            return self.forward(s["ids"], s["pos"], self._mask(num_rows, cols_T, window))
 
     def _drafter_body(self, s: dict[str, torch.Tensor], window: int) -> torch.Tensor:
-        spec, kv = self.backend._spec, self.backend._kv
-        num_rows = s["ids"].shape[0]
+        assert self._drafter is not None, "drafter(): no drafter attached"
+        kv, num_rows = self.kv, s["ids"].shape[0]
         cols_T = s["col"] + self._col_C[:1]
         with kv.static(num_rows, cols_T, window):
-            return spec.drafter.forward(s["ids"], s["feats"], None, self._mask(num_rows, cols_T, window), cache=kv,
-                                        layer_idx=spec.layer, turns_B1Tc=s["turns"])
+            return self._drafter.forward(s["ids"], s["feats"], None, self._mask(num_rows, cols_T, window), cache=kv,
+                                         layer_idx=self._drafter_layer, turns_B1Tc=s["turns"])
 
     # ------------------------------------------------------------------ capture and replay
 
@@ -158,7 +169,7 @@ class StaticForwards:
     def _capture(self, body, inputs: dict[str, torch.Tensor]):
         """Warm up on a side stream (lazy initialisation, allocator, library workspaces), then capture.
         The warm-up runs write the same keys/values the replay after them writes, so they change nothing."""
-        device = self.backend.device
+        device = self.kv.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

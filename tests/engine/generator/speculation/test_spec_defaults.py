@@ -22,7 +22,7 @@ def test_auto_on_a_cpu_drafts_model_free_and_trains_no_drafter():
     assert arms(gen) == {"suffix"} and gen.spot is None and gen.spot_thread is None
     assert gen.drafter_store is None  # nothing trained, nothing to share
     # No drafter model either: none of its cache layer, column states or per-step bookkeeping.
-    kv = gen.backend._kv
+    kv = gen.backend.rows.kv
     assert gen.backend.drafter is None and not kv.column_states
     assert len(kv.keys) == gen.backend.model.config.num_hidden_layers
 

@@ -311,7 +311,7 @@ def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter, kind):
 
 def row_cache_matches_recompute(model, backend: TorchBackend, row: int, tokens: list[int]) -> None:
     """The row's valid cached keys/values equal Hugging Face's own cache over the fed tokens."""
-    kv = backend._kv
+    kv = backend.rows.kv
     cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
     assert cols.numel() == len(tokens)
     cache = DynamicCache(config=model.config)
@@ -339,8 +339,8 @@ def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafte
         for req in schedule:
             batched.add(req)
         done.update({(f.group_id, f.sample_id): f for f in batched.step()})
-        for row, seq in enumerate(batched._seqs):
-            fed = seq.request.prompt_ids + batched._out_tokens_RL[row, :int(batched._num_gen_R[row])].tolist()
+        for row, seq in enumerate(batched.rows.seqs):
+            fed = seq.request.prompt_ids + batched.rows.completion(row, int(batched.rows.num_gen_R[row]))[0].tolist()
             row_cache_matches_recompute(model, batched, row, fed[:-1])
     done.update(run(batched, {}))
     for key, fin in alone.items():
@@ -441,10 +441,10 @@ def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
 
 
 def _check_drafter_cache(model, trained_drafter, backend):
-    kv, spec = backend._kv, backend._spec
+    kv, spec = backend.rows.kv, backend._spec
     for row in range(backend.num_running):
-        seq = backend._seqs[row]
-        fed = seq.request.prompt_ids + backend._out_tokens_RL[row, :int(backend._num_gen_R[row])].tolist()
+        seq = backend.rows.seqs[row]
+        fed = seq.request.prompt_ids + backend.rows.completion(row, int(backend.rows.num_gen_R[row]))[0].tolist()
         assert spec.ids_RC[row, kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo].tolist() == fed[:-1]
         cols = kv.valid_RC[row, kv.lo:kv.end - spec.stale_back].nonzero().flatten() + kv.lo
         tokens = spec.ids_RC[row, cols]
@@ -464,7 +464,7 @@ def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_dr
     # written into preallocated buffers) compute what one cacheless drafter forward over the row's
     # tokens, true features and then its own drafts and predicted features computes, draft by draft.
     backend = spec_backend(model, trained_drafter, 4, max_batch_size=2, max_model_len=48)
-    spec, kv, checked = backend._spec, backend._kv, []
+    spec, kv, checked = backend._spec, backend.rows.kv, []
     draft = spec._draft
 
     def spy(num_rows, k, batch, u_BK):
@@ -473,7 +473,7 @@ def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_dr
             cols = kv.valid_RC[row, kv.lo:kv.end + 1].nonzero().flatten() + kv.lo  # through the pending column
             ids, feats = spec.ids_RC[row, cols], spec.feats_RCH[row, cols]
             assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
-            seq = backend._seqs[row]
+            seq = backend.rows.seqs[row]
             row_batch = SamplingBatch.build([seq.request.sampling], [seq.generator])
             for j in range(k):
                 num = len(ids)
@@ -500,12 +500,12 @@ def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter)
     p = prompts(1, seed=21)[0]
     single = spec_backend(model, trained_drafter, 5, max_batch_size=1, max_model_len=64)
     single.add(Request(0, 0, p, SamplingParams(temperature=0.0, max_new_tokens=30)))
-    done, kv = {}, single._kv
+    done, kv = {}, single.rows.kv
     while single.num_running or single.num_waiting:
         for fin in single.step():
             done[fin.group_id, fin.sample_id] = fin
         if single.num_running:
-            cached = len(p) - 1 + int(single._num_gen_R[0])  # the pending token is not cached yet
+            cached = len(p) - 1 + int(single.rows.num_gen_R[0])  # the pending token is not cached yet
             assert kv.end - kv.lo == cached and bool(kv.valid_RC[0, kv.lo:kv.end].all())
     assert done[0, 0].completion_ids.tolist() == greedy_reference(model, p, 30)
     assert single.spec_stats.num_accepted < single.spec_stats.num_drafted  # some drafts were rejected
@@ -515,7 +515,7 @@ def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter)
     for _ in range(4):
         batched.step()
         if batched.num_running:
-            assert bool(batched._kv.valid_RC[:batched.num_running, batched._kv.end - 1].any())
+            assert bool(batched.rows.kv.valid_RC[:batched.num_running, batched.rows.kv.end - 1].any())
 
 
 def test_acceptance_by_depth_counts_only_tested_drafts():

@@ -63,7 +63,7 @@ def test_static_forwards_equal_the_eager_window(model64, spec):
     static_backend = _backend(model64, "static", spec, drafter)
     static = run(static_backend, _schedule())
     _assert_same(eager, static, atol=1e-6)
-    shapes = static_backend._static._entries
+    shapes = static_backend.static_forwards._entries
     assert len({key[1] for key in shapes}) >= 3  # batches crossed row buckets
     assert {key[3] for key in shapes} == {64, 128}  # and column windows
     if spec is not None:
@@ -73,7 +73,7 @@ def test_static_forwards_equal_the_eager_window(model64, spec):
         assert any(key[0] == "drafter" for key in shapes)
     # Padding rows wrote into free cache rows: every buffer stays finite (a masked NaN would still poison
     # attention: a zero weight times NaN is NaN).
-    kv = static_backend._kv
+    kv = static_backend.rows.kv
     assert all(torch.isfinite(buf).all() for buf in kv._key_buffers())
 
 
@@ -102,13 +102,13 @@ def test_the_bodies_a_graph_captures_never_read_values_on_the_host(model64, monk
     backend = _backend(model64, "static", spec, drafter)
     spy, calls = _HostSyncs(), []
     for name in ("_policy_body", "_drafter_body"):
-        body = getattr(backend._static, name)
+        body = getattr(backend.static_forwards, name)
 
         def spied(inputs, window, body=body, name=name):
             calls.append(name)
             with spy:
                 return body(inputs, window)
-        monkeypatch.setattr(backend._static, name, spied)
+        monkeypatch.setattr(backend.static_forwards, name, spied)
     run(backend, _schedule())
     assert "_policy_body" in calls and ("_drafter_body" in calls) == (spec == "eagle")
     assert spy.seen == []
@@ -136,5 +136,5 @@ def test_cuda_graphs_equal_the_eager_window(spec):
     graphed_backend = _backend(model, "auto", spec, drafter, device="cuda")
     graphed = run(graphed_backend, _schedule())
     _assert_same(eager, graphed, atol=1e-6)
-    counters = graphed_backend._static.counters()
+    counters = graphed_backend.static_forwards.counters()
     assert counters["static_forwards_captured"] >= 4 and counters["static_forwards_replayed"] > 0

@@ -142,9 +142,9 @@ def test_forked_rows_cache_equals_recompute(model):
         backend.step()
     assert backend.num_running == 4 and backend.num_waiting == 0
     for row in range(4):
-        generated = backend._out_tokens_RL[row, :3].tolist()
+        generated = backend.rows.out_tokens_RL[row, :3].tolist()
         row_cache_matches_recompute(model, backend, row, PROMPT + generated[:-1])
-        assert generated == backend._out_tokens_RL[0, :3].tolist()
+        assert generated == backend.rows.out_tokens_RL[0, :3].tolist()
 
 
 @pytest.mark.parametrize("k", [1, 3])
