@@ -10,7 +10,8 @@
     tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
-what it needs. Test: pytest tests/engine/test_cli.py
+what it needs. A process started by `tailrace run` first arranges to stop when its launcher dies
+(engine/lifeline.py). Test: pytest tests/engine/test_cli.py
 """
 
 from __future__ import annotations
@@ -54,16 +55,19 @@ def _parser() -> argparse.ArgumentParser:
                          description="Start a trainer, launch.num_generators generators and a reward "
                          "server for the built-in tasks (none with reward.mode servers: it prints how to "
                          "attach yours) as separate processes over loopback, show progress, stop cleanly on "
-                         "Ctrl-C with a checkpoint. " + OVERRIDES_HELP)
+                         "Ctrl-C, SIGTERM or SIGHUP with a checkpoint. One run per run folder: another run "
+                         "on the same trainer.run_name is refused while this one runs. " + OVERRIDES_HELP)
     run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
-    run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
+    run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name from its last "
+                     "checkpoint, with its settings (runs/<name>/config.toml) under those given here")
     run.add_argument("--no-progress", action="store_true", help="no progress output (bars on a terminal, else a line per step)")
 
     trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run", epilog=SETTINGS_EPILOG,
                              description="Bind the protocol endpoints (trainer.bind), hand out work, "
                              "score, train, publish weights, checkpoint. " + OVERRIDES_HELP)
     trainer.add_argument("--config", help="TOML run config")
-    trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint, "
+                         "with its settings (runs/<name>/config.toml) under those given here")
     trainer.add_argument("--nproc", type=int, default=1,
                          help="trainer ranks on this machine: starts torchrun, FSDP2-sharded (default 1)")
 
@@ -148,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tailrace.engine import lifeline
+
+    lifeline.follow_launcher()  # a child of `tailrace run` stops when the launcher dies, also by kill -9
     args, overrides = parse_args(argv)
     _set_title(args.role)
     try:
@@ -170,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad user input: one clear line, no traceback
         print(f"tailrace {args.role}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a stop signal during `tailrace run`'s start-up
+        return 128 + getattr(exc, "signum", 2)
 
 
 if __name__ == "__main__":
