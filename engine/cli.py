@@ -11,7 +11,8 @@
     tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
-what it needs. Test: pytest tests/engine/test_user_path.py
+what it needs. A process started by `tailrace run` first arranges to stop when its launcher dies
+(engine/core/lifeline.py). Test: pytest tests/engine/test_user_path.py
 """
 
 from __future__ import annotations
@@ -54,19 +55,22 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
-                         "server for the built-in tasks (none with reward.mode servers) as separate processes "
-                         "over loopback, show progress, stop cleanly on Ctrl-C with a checkpoint; where "
-                         "nothing started scores data.task, it prints how to attach your reward server. "
+                         "server for the built-in tasks (none with reward.mode servers) as separate processes over loopback, show progress, stop cleanly on "
+                         "Ctrl-C, SIGTERM or SIGHUP with a checkpoint. One run per run folder: another run "
+                         "on the same trainer.run_name is refused while this one runs. "
+                         "Where nothing started scores data.task, it prints how to attach your reward server. "
                          + OVERRIDES_HELP)
     run.add_argument("--config", help="TOML run config (default: built-in defaults, the shipped tiny model)")
-    run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name")
+    run.add_argument("--resume", action="store_true", help="continue the run named by trainer.run_name from its last "
+                     "checkpoint, with its settings (runs/<name>/config.toml) under those given here")
     run.add_argument("--no-progress", action="store_true", help="no progress output (bars on a terminal, else a line per step)")
 
     trainer = sub.add_parser("trainer", help="the trainer: binds the endpoints and owns the run", epilog=SETTINGS_EPILOG,
                              description="Bind the protocol endpoints (trainer.bind), hand out work, "
                              "score, train, publish weights, checkpoint. " + OVERRIDES_HELP)
     trainer.add_argument("--config", help="TOML run config")
-    trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    trainer.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint, "
+                         "with its settings (runs/<name>/config.toml) under those given here")
     trainer.add_argument("--nproc", type=int, default=1,
                          help="trainer ranks on this machine: starts torchrun, FSDP2-sharded (default 1)")
 
@@ -165,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tailrace.engine.core import lifeline
+
+    lifeline.follow_launcher()  # a child of `tailrace run` stops when the launcher dies, also by kill -9
     args, overrides = parse_args(argv)
     _set_title(args.role)
     try:
@@ -189,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad user input: one clear line, no traceback
         print(f"tailrace {args.role}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a stop signal during `tailrace run`'s start-up
+        return 128 + getattr(exc, "signum", 2)
 
 
 if __name__ == "__main__":

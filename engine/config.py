@@ -225,7 +225,7 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    every_steps: int = 0  # 0 = only at the end (and on Ctrl-C)
+    every_steps: int = 0  # 0 = only at the end (and on Ctrl-C or another stop signal)
     keep: int = 2  # checkpoints kept in runs/<name>/checkpoint
 
     def __post_init__(self):
@@ -496,6 +496,40 @@ def config_data(path: str | Path | None = None, overrides: list[str] | None = No
             except tomllib.TOMLDecodeError as exc:
                 raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
     return apply_overrides(data, list(overrides or []))
+
+
+def merge_data(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Nested settings `top` over `base`: a table merges key by key, any other value replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge_data(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def resumed_data(user: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """`--resume`: (the run's own resolved settings, runs/<name>/config.toml, with the user's settings
+    (config file and overrides) on top; the run folder). trainer.run_name (and trainer.runs_dir) among the
+    user's settings name the run."""
+    trainer = user.get("trainer", {})
+    name = trainer.get("run_name", "") if isinstance(trainer, dict) else ""
+    if not name:
+        raise ValueError("--resume: set trainer.run_name to the run to continue (its folder under trainer.runs_dir)")
+    run_dir = Path(trainer.get("runs_dir", TrainerConfig.runs_dir)) / str(name)
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ValueError(f"--resume: {saved} does not exist (trainer.run_name and trainer.runs_dir name the run)")
+    return merge_data(config_data(saved), user), run_dir
+
+
+def dotted_settings(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Nested settings as `section.name value` items, e.g. for saying which ones a command line set."""
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out += dotted_settings(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key} {value}")
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

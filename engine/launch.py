@@ -10,8 +10,16 @@ the launcher prints the line that attaches the user's own. The trainer is told h
                      generator or reward server stops the run (SIGINT to the trainer, which
                      checkpoints and shuts its peers down) or is restarted, by launch.on_child_crash
     progress loop    a read-only tool connection on the trainer's notice socket renders Stats as bars
-    Ctrl-C           forwarded to the trainer only (children run in their own sessions), which finishes
-                     its step, checkpoints and sends Shutdown; stragglers are terminated, then killed
+    stop signals     SIGINT (Ctrl-C), SIGTERM (kill, timeout, Slurm, systemd) and SIGHUP are forwarded,
+                     as they are, to the trainer only (children run in their own sessions), which finishes
+                     its step, checkpoints, writes summary.json (stop_reason names the signal) and sends
+                     Shutdown; stragglers are terminated, then killed. During start-up the signal also
+                     unwinds it (StopSignal). A launcher killed outright (kill -9) is noticed by each
+                     child itself (engine/core/lifeline.py): SIGTERM from the kernel, the same clean stop
+    run folder       owned by one run (engine/core/run_lock.py): the lock is taken before anything starts and
+                     handed to every child, so a second run (or --resume) on the folder is refused while
+                     any process of this one lives
+    --resume         the run's own config.toml with the command line's settings on top (_prepare)
 
 With CURVE (trainer.curve_secret_key_file), the launcher gives every child the trainer's public key and
 a key pair of its own in runs/<name>/keys/, and the trainer an allow-list of those keys with their roles
@@ -19,7 +27,7 @@ a key pair of its own in runs/<name>/keys/, and the trainer an allow-list of tho
 A child counts as restarted only when its process exited; a restarted child takes over its session.
 
 Every child's output goes to runs/<name>/logs/<child>.log. Test: pytest tests/engine/test_end_to_end.py
-tests/engine/test_restarts.py
+tests/engine/test_restarts.py tests/engine/test_launch_faults.py
 """
 
 from __future__ import annotations
@@ -30,18 +38,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.config import RunConfig, TrainerConfig, config_data, from_dict, to_toml
-from tailrace.engine.core import preflight, report, reward_fns
+from tailrace.engine import config
+from tailrace.engine.config import RunConfig, TrainerConfig, from_dict, to_toml
+from tailrace.engine.core import lifeline, preflight, report, reward_fns, run_lock
+from tailrace.engine.data import checks
 from tailrace.engine.data.tasks import REWARD_FNS  # pure Python
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 30.0
 BUILTIN_REWARD = "tailrace.engine.data.tasks:score"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CLIENT_TAG = "# tailrace run: "  # ends the allow-list lines of the launcher's own children
 
 
 @dataclass
@@ -73,10 +86,10 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=pass_fds)
         log.close()
 
     def alive(self) -> bool:
@@ -89,11 +102,52 @@ class Child:
             return ""
 
 
-def _child_env(cfg: RunConfig) -> dict[str, str]:
-    env = dict(os.environ)
+def _child_env(cfg: RunConfig, lock: run_lock.RunLock | None) -> dict[str, str]:
+    """Every child's environment: its thread counts, this launcher's pid (engine/core/lifeline.py) and the run
+    folder's lock file, whose descriptor it inherits."""
+    env = lifeline.child_env(dict(os.environ))
     threads = str(cfg.launch.torch_threads)
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    if lock is not None:
+        env[run_lock.ENV] = str(lock.path)
     return env
+
+
+class StopSignal(KeyboardInterrupt):
+    """A stop signal before the trainer serves: unwinds the start-up as Ctrl-C does (exit 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP for the launcher's whole life (installed by `with`, the previous handlers
+    restored after; only in the main thread, where Python runs handlers). Each goes on to the trainer as
+    it came; the first one before the trainer serves also raises StopSignal."""
+
+    def __init__(self):
+        self.signum: int | None = None  # the first stop signal received
+        self.trainer: Child | None = None
+        self.serving = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def on_signal(self, signum: int, frame: Any = None) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.trainer is not None and self.trainer.alive():
+            self.trainer.proc.send_signal(signum)
+        if first and not self.serving:
+            raise StopSignal(signum)
 
 
 class CurveKeys:
@@ -108,12 +162,16 @@ class CurveKeys:
         folder.mkdir(parents=True, exist_ok=True)
         self.server_public = zmq.curve_public(read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"))
         self._write("server.pub", self.server_public)
-        lines = [Path(cfg.curve_clients_file).read_text()] if cfg.curve_clients_file else []
+        lines = []
+        if cfg.curve_clients_file:  # the user's entries; a resumed run's own (tagged below) are made anew
+            lines = [line if line.endswith("\n") else line + "\n"
+                     for line in Path(cfg.curve_clients_file).read_text().splitlines(keepends=True)
+                     if CLIENT_TAG not in line]
         self.secrets: dict[str, bytes] = {}
         for name, role in clients.items():  # child name -> the role it takes
             public, self.secrets[name] = zmq.curve_keypair()
             self._write(f"{name}.secret", self.secrets[name])
-            lines.append(f"{public.decode()} {role}  # tailrace run: {name}\n")
+            lines.append(f"{public.decode()} {role}  {CLIENT_TAG}{name}\n")
         self.allow_list = self._write("clients.allow", "".join(lines).encode())
 
     def _write(self, name: str, data: bytes) -> Path:
@@ -128,7 +186,8 @@ class CurveKeys:
 
 class Launcher:
     def __init__(self, cfg: RunConfig, config_path: Path, run_dir: Path, *, resume: bool, progress: bool,
-                 keys: CurveKeys | None = None, reward: UserReward | None = None):
+                 keys: CurveKeys | None = None, reward: UserReward | None = None,
+                 lock: run_lock.RunLock | None = None, signals: StopSignals | None = None):
         self.cfg = cfg
         self.reward = reward
         self.keys = keys
@@ -136,7 +195,10 @@ class Launcher:
         self.config_path = config_path
         self.resume = resume
         self.progress = progress
-        self.env = _child_env(cfg)
+        self.env = _child_env(cfg, lock)
+        self.lock = lock
+        self.pass_fds = (lock.fd,) if lock is not None else ()  # the run folder stays owned while a child lives
+        self.signals = signals or StopSignals()
         self.children: list[Child] = []
         self.stop_reason = ""
         self.failed = False
@@ -150,8 +212,9 @@ class Launcher:
         argv = self.cli("trainer", "--config", str(self.config_path), *(["--resume"] if self.resume else []),
                         *(["--nproc", str(self.cfg.launch.trainer_ranks)] if self.cfg.launch.trainer_ranks > 1 else []))
         trainer = Child("trainer", argv, self.run_dir / "logs" / "trainer.log")
-        trainer.start(self.env)
         self.children.append(trainer)
+        self.signals.trainer = trainer
+        trainer.start(self.env, self.pass_fds)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         try:
             while not endpoint.is_file():
@@ -162,6 +225,7 @@ class Launcher:
                     raise RuntimeError(f"the trainer did not bind within {STARTUP_TIMEOUT_S:.0f} s; "
                                        f"the end of {trainer.log_path}:\n{trainer.tail()}")
                 time.sleep(0.1)
+            self.signals.serving = True  # from here a stop signal is the trainer's to act on
             return trainer, json.loads(endpoint.read_text())
         except BaseException:  # also Ctrl-C during start-up: nothing of ours keeps running
             self.stop_all()
@@ -183,7 +247,7 @@ class Launcher:
             argv = self.cli("reward", "--connect", address, *serves, "--name", "reward-0", *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
         for child in self.children[1:]:
-            child.start(self.env)
+            child.start(self.env, self.pass_fds)
 
     def key_args(self, name: str) -> list[str]:
         return self.keys.args(name) if self.keys is not None else []
@@ -235,11 +299,12 @@ class Launcher:
             if child.alive() or child.proc.returncode == 0:
                 continue
             code = child.proc.returncode
-            if self.cfg.launch.on_child_crash == "restart" and child.restarts < self.cfg.launch.max_restarts:
+            if self.cfg.launch.on_child_crash == "restart" and child.restarts < self.cfg.launch.max_restarts \
+                    and self.signals.signum is None:  # a run asked to stop starts nothing new
                 child.restarts += 1
                 print(f"\ntailrace run: {child.name} crashed (code {code}); restart {child.restarts}/"
                       f"{self.cfg.launch.max_restarts}. Log tail:\n{child.tail(8)}", file=sys.stderr)
-                child.start(self.env)
+                child.start(self.env, self.pass_fds)
             elif not self.stop_reason:
                 self.failed = True
                 self.stop_reason = f"{child.name} crashed with code {code}"
@@ -330,8 +395,6 @@ async def _run_async(launcher: Launcher, trainer: Child, address: str) -> None:
     reward = None
     if launcher.reward is not None and not launcher.reward.spec:
         reward = asyncio.create_task(launcher.reward.serve(address, launcher.keys), name="reward-0")
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, lambda: trainer.alive() and trainer.proc.send_signal(signal.SIGINT))
     try:
         while launcher.supervise_once(trainer):
             if progress is not None and progress.done() and progress.exception() is not None:
@@ -360,24 +423,53 @@ def _reward_ended(launcher: Launcher, trainer: Child, reward: asyncio.Task) -> N
     trainer.proc.send_signal(signal.SIGINT)
 
 
-def _prepare(args: Any, overrides: list[str]) -> tuple[RunConfig, bool]:
-    """The run's config, checked before anything starts: (config, whether it is a DPO run)."""
-    data = config_data(args.config, overrides)
+@dataclass
+class Prepared:
+    """What _prepare found: the config, whether it is a DPO run, and for --resume the line that says so."""
+
+    cfg: RunConfig
+    dpo: bool
+    resumed: str = ""
+
+
+def _prepare(args: Any, overrides: list[str]) -> Prepared:
+    """The run's config, checked before anything starts (before any model loads). With --resume: the
+    run's own config.toml, with the settings of the command line (config file and overrides) on top."""
+    data = config.config_data(args.config, overrides)
+    resumed = ""
+    if args.resume:
+        user = data
+        data, run_dir = config.resumed_data(user)
+        run_lock.check_free(run_dir)  # a run still running is the first thing to say
+        step = _checkpoint_step(run_dir / "checkpoint")
+        given = [s for s in config.dotted_settings(user) if not s.startswith(("trainer.run_name ", "trainer.runs_dir "))]
+        resumed = (f"resumed from step {step} of {run_dir} (config.toml"
+                   + (f" + overrides: {', '.join(given)})" if given else ", no overrides)"))
     cfg = from_dict(RunConfig, data)
     if cfg.train.algorithm == "dpo":
-        return cfg, True
+        return Prepared(cfg, True, resumed)
     if "bind" not in data.get("trainer", {}):  # not set by the user: a free port, so runs can share a machine
         cfg.trainer.bind = "tcp://127.0.0.1:0"
     if not cfg.trainer.run_name:
         cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
-    if args.resume and not (run_dir / "checkpoint").is_dir():
-        raise ValueError(f"--resume: {run_dir}/checkpoint does not exist (set trainer.run_name to the run)")
     preflight.check_model_path(cfg.model.path)
+    preflight.check_port_unclaimed(Path(cfg.trainer.runs_dir), cfg.trainer.bind, run_dir)  # names the run
     preflight.check_bind_free(cfg.trainer.bind)
+    checks.check_prompts(cfg)
     if cfg.reward.functions and cfg.launch.reward_server:  # one line now, not a reward server's crash later
         reward_fns.components(cfg.reward.functions)
-    return cfg, False
+    return Prepared(cfg, False, resumed)
+
+
+def _checkpoint_step(root: Path) -> int:
+    """The step of the newest complete checkpoint under root (the one the trainer resumes from: a step_N
+    folder with its trainer_state.json, engine/trainer/checkpoint.py), read without torch."""
+    steps = [int(p.name[len("step_"):]) for p in root.glob("step_*")
+             if p.name[len("step_"):].isdigit() and (p / "trainer_state.json").is_file()]
+    if not steps:
+        raise ValueError(f"--resume: {root} holds no complete checkpoint (set trainer.run_name to the run)")
+    return max(steps)
 
 
 def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
@@ -402,26 +494,53 @@ def _say_finished(run_dir: Path) -> None:
 
 def main(args: Any, overrides: list[str], *, reward: UserReward | None = None) -> int:
     """`tailrace run` (args: config, resume, no_progress); tailrace.run() calls it with a reward function."""
-    cfg, dpo = _prepare(args, overrides)
-    if dpo and reward is not None:
+    prepared = _prepare(args, overrides)
+    if prepared.dpo and reward is not None:
         raise ValueError("train.algorithm = dpo: a reward function has nothing to score (DPO trains on pairs)")
-    if dpo:  # one role: nothing to launch or supervise beside the trainer
+    if prepared.dpo:  # one role: nothing to launch or supervise beside the trainer (which takes the lock)
         from tailrace.engine.trainer.main import main as trainer_main
 
         print("tailrace run: train.algorithm = dpo: training on data.source in this process, no generators "
               "or reward servers", flush=True)
+        if prepared.resumed:
+            print(f"tailrace run: {prepared.resumed}", flush=True)
         return trainer_main(args, overrides)
+    with StopSignals() as signals:
+        return _launch(prepared, args, signals=signals, reward=reward)
+
+
+def _launch(prepared: Prepared, args: Any, *, signals: StopSignals, reward: UserReward | None) -> int:
+    """Own the run folder, start the trainer, then its peers; supervise them until the trainer exits; stop
+    everything; then give the folder up."""
+    cfg = prepared.cfg
     run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    lock = None
     try:
-        with preflight.removed_if_start_fails(run_dir):  # the trainer's log tail is printed first
-            launcher = _set_up(cfg, run_dir, resume=args.resume, progress=not args.no_progress, reward=reward)
-            trainer, endpoint = launcher.start_trainer()
-    except RuntimeError as exc:
-        print(f"tailrace run: {exc}", file=sys.stderr)
-        return 1
+        try:
+            with preflight.removed_if_start_fails(run_dir):  # the trainer's log tail is printed first
+                lock = run_lock.take(run_dir, bind=cfg.trainer.bind)  # before anything is written there
+                launcher = _set_up(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
+                                   reward=reward, lock=lock, signals=signals)
+                trainer, endpoint = launcher.start_trainer()
+        except RuntimeError as exc:
+            print(f"tailrace run: {exc}", file=sys.stderr)
+            return 1
+        _supervise(launcher, trainer, endpoint, prepared.resumed)
+        _say_finished(run_dir)
+        return 1 if launcher.failed else 0
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _supervise(launcher: Launcher, trainer: Child, endpoint: dict[str, Any], resumed: str) -> None:
     from tailrace.protocol.transport import run
 
     try:
+        if launcher.lock is not None:  # for the next one refused
+            launcher.lock.say(address=endpoint["address"])
+        if resumed:
+            print(f"tailrace run: {resumed}", flush=True)
         _say_started(launcher, endpoint)
         launcher.start_peers(endpoint["address"])
         run(_run_async(launcher, trainer, endpoint["address"]))
@@ -430,11 +549,25 @@ def main(args: Any, overrides: list[str], *, reward: UserReward | None = None) -
         launcher.failed = True
     finally:
         launcher.stop_all()
-    _say_finished(run_dir)
-    return 1 if launcher.failed else 0
+        _name_the_launchers_reason(launcher)
 
 
-def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, reward: UserReward | None = None) -> Launcher:
+def _name_the_launchers_reason(launcher: Launcher) -> None:
+    """When the launcher stopped the run (a crashed child: SIGINT to the trainer), summary.json's
+    stop_reason says why, not only the signal that carried it."""
+    path = launcher.run_dir / "summary.json"
+    if not launcher.stop_reason or not path.is_file():
+        return
+    summary = json.loads(path.read_text())
+    if summary.get("stop_reason") == "signal SIGINT":
+        summary["stop_reason"] = f"{launcher.stop_reason} (tailrace run stopped the trainer: signal SIGINT)"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, path)
+
+
+def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, reward: UserReward | None = None,
+            lock: run_lock.RunLock | None = None, signals: StopSignals | None = None) -> Launcher:
     """The run folder (logs, CURVE keys, the children's launch.toml) and its Launcher."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     keys = None
@@ -448,4 +581,5 @@ def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, rewa
     config_path = run_dir / "launch.toml"
     config_path.write_text(to_toml(cfg))
     print(f"tailrace run: {run_dir} (logs in {run_dir / 'logs'})")
-    return Launcher(cfg, config_path, run_dir, resume=resume, progress=progress, keys=keys, reward=reward)
+    return Launcher(cfg, config_path, run_dir, resume=resume, progress=progress, keys=keys, reward=reward,
+                    lock=lock, signals=signals)

@@ -1,9 +1,12 @@
 """Checks before a role starts anything heavy, so that a mistake costs one line naming the setting, at once,
-instead of a traceback later: the model folder exists, the trainer's port is free, the tokenizer
-round-trips text (a warning: training goes on, but rewards that compare text will be wrong). And a start
-that fails removes the run folder it created (removed_if_start_fails).
+instead of a traceback later: the model folder exists, the trainer's port is free (and not claimed by
+another running run of the runs folder, which may still be loading its model), the prompt rows can be
+read and every task among them has a reward (check_prompts), the tokenizer round-trips text (a warning:
+training goes on, but rewards that compare text will be wrong). And a start that fails removes the run
+folder it created (removed_if_start_fails).
 
 No torch or transformers import here. Test: pytest tests/engine/test_user_path.py
+tests/engine/test_launch_faults.py tests/engine/test_run_lock.py
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
 
 ROUND_TRIP_EXAMPLE = "hello world, 12 + 30 = 42"
 """Plain lowercase text with spaces, digits and punctuation: what any text tokenizer must give back."""
@@ -58,6 +64,18 @@ def check_bind_free(address: str, setting: str = "trainer.bind") -> None:
         except OSError as exc:
             raise ValueError(f"{setting}: {address} is not available ({exc.strerror or exc}): another run or "
                              f"program holds port {port}; pick another port, or port 0 for a free one") from None
+
+
+def check_port_unclaimed(runs_dir: Path, address: str, run_dir: Path, setting: str = "trainer.bind") -> None:
+    """ValueError naming `setting` when a running run of runs_dir has the same fixed port in its
+    trainer.bind: it binds the port only once its model has loaded, so check_bind_free may not see it yet."""
+    from tailrace.engine.core import run_lock
+
+    claimed = run_lock.claimed_by(runs_dir, address, run_dir)
+    if claimed is not None:
+        folder, owner = claimed
+        raise ValueError(f"{setting}: {address} is the port of another run, in {folder} ({owner}); pick "
+                         "another port, or port 0 for a free one")
 
 
 def round_trip_warning(tokenizer: Any, model: str, example: str = ROUND_TRIP_EXAMPLE) -> str | None:

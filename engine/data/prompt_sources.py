@@ -17,12 +17,14 @@ import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tailrace.engine.config import DataConfig
-from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.data.chat import MESSAGES_FIELD, ChatTemplate, conversation
 from tailrace.engine.data.parquet_rows import ParquetRows
+
+if TYPE_CHECKING:  # samples imports torch; the launcher reads rows (engine/core/preflight.py) without it
+    from tailrace.engine.core.samples import PromptRecord
 
 
 def _rows_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -170,6 +172,8 @@ class PromptSource:
         return self
 
     def __next__(self) -> PromptRecord:
+        from tailrace.engine.core.samples import PromptRecord
+
         while True:
             row = next(self._rows)  # StopIteration ends the source
             index = self.position

@@ -6,8 +6,10 @@ and eval.n seeded samples at eval.temperature per prompt), scores them through t
 dispatcher with the built-in task functions or --fn module:function (the function `tailrace reward --fn`
 would serve), and prints one line, then, with --json, one JSON object as the last line.
 Settings: the run's config.toml next to the checkpoint folder, then --config FILE, then --section.name
-overrides; model.path is the checkpoint. An entry point like cli.py and launch.py (tests/test_layering.py):
-it drives the generator's backend and the trainer's reward dispatcher in one process.
+overrides; model.path is the checkpoint. Before any model loads (check_setup), eval.source's rows are read
+and a setup that cannot score them (a task with no built-in reward and no --fn) is refused.
+An entry point like cli.py and launch.py (tests/test_layering.py): it drives the generator's backend and
+the trainer's reward dispatcher in one process.
 Test: pytest tests/engine/eval/test_eval.py
 """
 
@@ -23,15 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.config import RunConfig, config_data, from_dict
+from tailrace.engine.config import RunConfig, config_data, from_dict, merge_data
+from tailrace.engine.data import checks
 from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def resolve_config(checkpoint: Path, config_file: str | None, overrides: list[str]) -> RunConfig:
@@ -41,18 +37,34 @@ def resolve_config(checkpoint: Path, config_file: str | None, overrides: list[st
         raise ValueError(f"--checkpoint: {checkpoint} has no config.json (expected a checkpoint folder such as "
                          "runs/<name>/checkpoint/latest or .../step_000100)")
     run_config = checkpoint.resolve().parent.parent / "config.toml"
-    data = _merge(config_data(run_config) if run_config.is_file() else {}, config_data(config_file, overrides))
-    data = _merge(data, {"model": {"path": str(checkpoint)}, "eval": {"every_steps": 0}})
+    data = merge_data(config_data(run_config) if run_config.is_file() else {}, config_data(config_file, overrides))
+    data = merge_data(data, {"model": {"path": str(checkpoint)}, "eval": {"every_steps": 0}})
     return from_dict(RunConfig, data)
 
 
-def _reward_fns(spec: str, tasks: set[str]) -> dict[str, Any] | None:
-    """--fn as the dispatcher's function for every task of the prompts; None: the built-in ones."""
-    if not spec:
-        return None
-    from tailrace.engine.reward_server import load_function
+def check_setup(cfg: RunConfig, fn: str) -> Any:
+    """Before any model loads: eval.source's rows can be read, and each of their tasks has a scorer (--fn,
+    else a built-in task function); returns --fn's function, imported (None: the built-in ones)."""
+    from tailrace.engine.data.tasks import REWARD_FNS
 
-    fn = load_function(spec)
+    data = dataclasses.replace(cfg.data, source=cfg.eval.source)
+    tasks = checks.prompt_tasks(data, "eval.source", num_rows=cfg.eval.num_prompts or math.inf)
+    if fn:
+        from tailrace.engine.reward_server import load_function
+
+        return load_function(fn)
+    unknown = sorted(tasks - set(REWARD_FNS))
+    if unknown:
+        raise ValueError(f"--fn: eval.source {cfg.eval.source} has prompts of task {', '.join(map(repr, unknown))}, "
+                         f"which no built-in reward function scores ({', '.join(REWARD_FNS)}): give --fn "
+                         "module:function that scores them")
+    return None
+
+
+def _reward_fns(fn: Any, tasks: set[str]) -> dict[str, Any] | None:
+    """--fn's function as the dispatcher's function for every task of the prompts; None: the built-in ones."""
+    if fn is None:
+        return None
     if inspect.iscoroutinefunction(fn):
         pool = concurrent.futures.ThreadPoolExecutor(1)  # its own event loop, off the caller's
 
@@ -104,6 +116,7 @@ def evaluate(checkpoint: Path, cfg: RunConfig, *, fn: str = "") -> tuple[EvalRes
     from tailrace.engine.core import models
     from tailrace.engine.generator.interface import load_backend
 
+    scorer = check_setup(cfg, fn)
     tokenizer = models.load_tokenizer(str(checkpoint))
     backend = load_backend(cfg)
     try:
@@ -116,7 +129,7 @@ def evaluate(checkpoint: Path, cfg: RunConfig, *, fn: str = "") -> tuple[EvalRes
     finally:
         backend.close()
     results = asyncio.run(score_all(cfg, tokenizer, requests, samples,
-                                    _reward_fns(fn, {p.task for p in prompts})))
+                                    _reward_fns(scorer, {p.task for p in prompts})))
     results.seconds = time.monotonic() - started
     state_file = checkpoint / "trainer_state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}

@@ -4,7 +4,7 @@
           policy, over the pairs' trie) -> DPO forward/backward by the branch-replay strategy (a pair's
           prompt runs once) -> clip, AdamW, LR schedule (Learner.apply_gradients) -> metrics.jsonl ->
           checkpoint every checkpoint.every_steps
-    ends  at train.steps, when the data ends (data.epochs passes), or on SIGINT/SIGTERM (after the step in progress): a last
+    ends  at train.steps, when the data ends (data.epochs passes), or on SIGINT/SIGTERM/SIGHUP (after the step in progress): a last
           checkpoint (data position = rows consumed, so --resume continues at the next row) and summary.json
 
 Run: tailrace trainer --config FILE --train.algorithm dpo --data.source pairs.jsonl (or `tailrace run`).
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tailrace.engine.config import RunConfig
-from tailrace.engine.core import models
+from tailrace.engine.core import lifeline, models
 from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.data.chat import adopt_template
@@ -131,11 +131,12 @@ class DPOTrainer:
 
     def request_stop(self, signum: int, _frame: Any = None) -> None:
         if not self.stop_reason:
-            self.stop_reason = f"signal {signal.Signals(signum).name}"
+            self.stop_reason = lifeline.stop_reason(signum)
             log.info("stopping after this step: %s", self.stop_reason)
 
     def run(self) -> dict[str, Any]:
-        previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, self.request_stop) for sig in stops}
         try:
             self.train_loop()
         finally:

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailrace.engine.config import load_config
-from tailrace.engine.core import preflight, report
+from tailrace.engine.config import RunConfig, config_data, from_dict, resumed_data
+from tailrace.engine.core import preflight, report, run_lock
+from tailrace.engine.data import checks
 
 
 def torchrun_argv(nproc: int, args: Any, overrides: list[str]) -> list[str]:
@@ -33,7 +34,10 @@ def torchrun_argv(nproc: int, args: Any, overrides: list[str]) -> list[str]:
 
 def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
     """make_learner: TrainerService's seam (engine/trainer/service.py LearnerFactory); None is Learner."""
-    cfg = load_config(args.config, overrides)
+    data = config_data(args.config, overrides)
+    if args.resume:  # the run's own config.toml under the settings given here
+        data, _ = resumed_data(data)
+    cfg = from_dict(RunConfig, data)
     nproc = getattr(args, "nproc", 1)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         if cfg.train.algorithm == "dpo":
@@ -41,10 +45,13 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
         argv = torchrun_argv(nproc, args, overrides)
         os.execv(argv[0], argv)
     preflight.check_model_path(cfg.model.path)
-    if cfg.train.algorithm != "dpo":
-        preflight.check_bind_free(cfg.trainer.bind)
     if not cfg.trainer.run_name:  # named here, so that a failed start can remove the folder it made
         cfg.trainer.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+    if cfg.train.algorithm != "dpo":
+        preflight.check_port_unclaimed(Path(cfg.trainer.runs_dir), cfg.trainer.bind, run_dir)
+        preflight.check_bind_free(cfg.trainer.bind)
+        checks.check_prompts(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     import torch
 
@@ -52,9 +59,10 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
 
     torch.set_num_threads(cfg.launch.torch_threads)
     info = dist.init_from_env(timeout_s=cfg.train.fsdp.collective_timeout_s)
-    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
     fresh = not run_dir.exists()
     with preflight.removed_if_start_fails(run_dir):
+        if info.rank == 0:  # one run per run folder; held until this process exits (tailrace run's: by it)
+            run_lock.take(run_dir, bind=cfg.trainer.bind)
         if cfg.train.algorithm == "dpo":  # preference pairs from data.source: no peers, no protocol
             if info.world_size > 1:
                 raise ValueError("train.algorithm = dpo trains on one rank: run without torchrun")
@@ -111,7 +119,7 @@ def _run_ranks(cfg: Any, resume: bool, make_learner: Any, rank: int) -> dict | N
                 leaders[0].close()
     # rank 0 decides when to stop (after its final checkpoint, which needs every rank): signals that
     # torchrun forwards to all ranks must not end a follower first.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     run_dir = ranks.share_run_dir(None)
     path = cfg.model.path or "tiny"

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tailrace.engine.config import RunConfig
-from tailrace.engine.core import gc_freeze, models, preflight
+from tailrace.engine.core import gc_freeze, lifeline, models, preflight
 from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import PromptRecord, TrainSample
 from tailrace.engine.core.weights import WeightsStore
@@ -183,8 +183,8 @@ class TrainerService:
                              curve_secret_key=read_key(cfg.curve_secret_key_file, "trainer.curve_secret_key_file"),
                              client_roles=load_client_roles(cfg.curve_clients_file) if cfg.curve_clients_file else None)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop_reason names it (and a dead launcher)
+            loop.add_signal_handler(sig, lambda s=sig: self.request_stop(lifeline.stop_reason(s)))
         self.drafters.server = self.server
         async with gc_freeze.frozen(), self.server:  # no full GC pass walks the start-up heap while serving
             router = None

@@ -3,6 +3,7 @@
 
     Run            one `tailrace run` subprocess: its children by pid, steps from metrics.jsonl, waits with
                    a deadline and a reason (Hang), kill -9 of one child, a stop that leaves nothing behind
+    process_tree   every process descended from a pid; alive(): which of some pids still run (orphans)
     TrainerWatch   a thread with a tool connection on the trainer's notice socket (reconnects when the
                    trainer restarts): the largest trainer/loop/max_stall_ms any trainer reported
     hold_work      a silent generator: says Hello, takes work, heartbeats, never answers (leases reclaim it)
@@ -135,6 +136,38 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                 self.proc.kill()
         return self.proc.wait()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name: [state, ppid, ...]; None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """Every process descended from `root` now: pid -> its start time (so that a pid used again later by
+    another process does not count as one of these)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for line in out.splitlines()[1:]:
+        pid, ppid = map(int, line.split())
+        children[ppid].append(pid)
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for pid in children[todo.pop()]:
+            if (fields := _stat(pid)) is not None:
+                found[pid] = fields[19]  # starttime, field 22 of stat
+            todo.append(pid)
+    return found
+
+
+def alive(tree: dict[int, str]) -> set[int]:
+    """The processes of a process_tree() that still run (a zombie waiting for its parent does not)."""
+    return {pid for pid, started in tree.items()
+            if (fields := _stat(pid)) is not None and fields[0] != "Z" and fields[19] == started}
 
 
 def rss_mb(pid: int | None) -> float | None:

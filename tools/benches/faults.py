@@ -11,6 +11,9 @@ hangs, samples_lost (handed out - trained - discarded), samples_trained_twice (t
 fuzz_frames, crashes (child crashes not caused here, or a launcher that failed), max_loop_stall_ms (the
 trainer's trainer/loop/max_stall_ms over both trainers), rss_growth_mb (resumed trainer, from before the
 fuzz burst to the end), wall_s_faults, wall_s_clean and their ratio, and the machine's load.
+Then the launcher's own faults, each on a run of its own (tools/benches/launcher_faults.py): SIGTERM to the
+launcher, a second run on its folder, kill -9 of the launcher; figures orphans (processes left: 0),
+sigterm_survived, second_run_refused, launcher_kill9_survived, launcher_samples_lost.
 Machinery: tools/benches/faultkit.py. Test: pytest -m slow tests/faults/test_kills.py
 """
 
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.benches import faultkit as fk
+from tools.benches import launcher_faults
 
 LEASE_S = 4.0  # the silent generator's samples come back after this
 
@@ -130,7 +134,8 @@ def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
         counted = fk.accounting(runs / "faults")
         summary = counted["summary"]
         assert summary["steps"] == steps, summary
-        return {**faulty.figures, "samples_lost": counted["samples_lost"],
+        launcher = launcher_faults.run(runs, log)
+        return {**faulty.figures, **launcher, "samples_lost": counted["samples_lost"],
                 "samples_trained_twice": counted["samples_trained_twice"],
                 "max_loop_stall_ms": round(watch.max_stall_ms, 1), "steps": steps,
                 "discarded": summary["discarded"], "wall_s_faults": round(wall_faults, 1),
