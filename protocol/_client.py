@@ -262,10 +262,10 @@ class Client(Endpoint):
             self._welcomed.set_exception(self._error)
             self._welcomed.exception()  # retrieved here: connect() may already have timed out
 
-    def _lose(self, reason: str, level: int = logging.WARNING) -> None:
+    def _lose(self, reason: str, level: int = logging.WARNING, code: int | None = None) -> None:
         if self._error is None:
             log.log(level, "lost the trainer at %s: %s", self.address, reason)
-        self._stop(ConnectionLost(reason))
+        self._stop(ConnectionLost(reason, code))
 
     async def _send_frames(self, frames: list) -> None:
         await self._dealer.send(frames)
@@ -296,7 +296,7 @@ class Client(Endpoint):
             self._on_handshake(msg)
             return
         if kind is Error and msg.code == ErrorCode.NOT_WELCOME:
-            self._lose(f"the trainer no longer knows this peer: {msg.text}")
+            self._lose(f"the trainer no longer knows this peer: {msg.text}", code=msg.code)
         elif kind is Shutdown:
             self.shutdown_reason = msg.reason
             self._inbox.append(msg)

@@ -21,6 +21,7 @@ from tailrace.protocol._offload import OffLoopDecoder
 from tailrace.protocol._wire import (
     FREE_KINDS,
     MAX_TEXT,
+    TAKEN_OVER_TEXT,
     BindFailed,
     Endpoint,
     Ticks,
@@ -408,7 +409,7 @@ class Server(Endpoint):
         if old is not None:  # after "joined": what the old session held is handed straight to this one
             self.counters["peers/taken_over"] += 1
             self._end(old, "left", f"taken over by a new session (incarnation {hello.incarnation})")
-            self._reply(old.id, Error(code=ErrorCode.NOT_WELCOME, text="session taken over by a newer "
+            self._reply(old.id, Error(code=ErrorCode.NOT_WELCOME, text=f"{TAKEN_OVER_TEXT} by a newer "
                                       f"connection under the name {hello.name!r}"))
 
     def _check_hello(self, hello: Hello, key: str, old: Peer | None) -> Reject | None:

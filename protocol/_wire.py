@@ -19,7 +19,7 @@ import zmq
 import zmq.backend
 
 from tailrace.protocol.codec import Limits
-from tailrace.protocol.messages import Credit, Heartbeat, Hello, Shutdown
+from tailrace.protocol.messages import Credit, ErrorCode, Heartbeat, Hello, Shutdown
 
 log = logging.getLogger("tailrace.transport")
 
@@ -27,6 +27,7 @@ BATCH = 256  # messages handled per wakeup before yielding to other tasks
 FREE_KINDS = (Hello, Heartbeat, Credit, Shutdown)  # messages that consume no credit
 LINGER_MS = 200  # how long a closed socket keeps trying to deliver its last messages (Shutdown)
 MAX_TEXT = 4096  # Error/Reject text bound on the wire
+TAKEN_OVER_TEXT = "session taken over"  # how Error 405 to a session taken over begins (_server.py)
 
 
 def generate_keypair() -> tuple[bytes, bytes]:
@@ -55,7 +56,21 @@ class TransportError(Exception):
 
 
 class ConnectionLost(TransportError):
-    """The other side went away: missed heartbeats, Shutdown, forgot us (Error 405), or closed."""
+    """The other side went away: missed heartbeats, Shutdown, forgot us (Error 405), or closed. `code`: the
+    Error code that ended the session, None when no Error did."""
+
+    def __init__(self, reason: str, code: int | None = None):
+        super().__init__(reason)
+        self.code = code
+
+    @property
+    def declared_dead(self) -> bool:
+        """The trainer forgot this session because it judged us dead (nothing from us within its peer
+        timeout: a frozen or starved process), while both sides are alive: the peer may rejoin as a new
+        session (SPEC, Heartbeats and liveness). False when the session was taken over (a successor holds
+        the name: exit) and for every other loss. The one place that reads this verdict off the wire: today
+        Error 405 after Welcome carries both verdicts, told apart by the takeover's text."""
+        return self.code == ErrorCode.NOT_WELCOME and TAKEN_OVER_TEXT not in str(self)
 
 
 class Rejected(TransportError):

@@ -3,6 +3,7 @@
 
     Run            one `tailrace run` subprocess: its children by pid, steps from metrics.jsonl, waits with
                    a deadline and a reason (Hang), kill -9 of one child, a stop that leaves nothing behind
+    freeze         SIGSTOP of one child for a while, then SIGCONT
     TrainerWatch   a thread with a tool connection on the trainer's notice socket (reconnects when the
                    trainer restarts): the largest trainer/loop/max_stall_ms any trainer reported
     hold_work      a silent generator: says Hello, takes work, heartbeats, never answers (leases reclaim it)
@@ -135,6 +136,20 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                 self.proc.kill()
         return self.proc.wait()
+
+
+def freeze(run: Run, name: str, seconds: float) -> dict[str, Any]:
+    """SIGSTOP of the child `name` for `seconds`, then SIGCONT (a process frozen by a debugger, swapped out,
+    or starved). Returns its pid, the steps trained meanwhile and whether the trainer declared it dead."""
+    pid = run.wait(f"a running {name}", lambda: run.child_pid(name), 120)
+    before = run.steps()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    log = (run.run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    return {"pid": pid, "steps_while_frozen": run.steps() - before, "declared_dead": f"generator {name!r} dead" in log}
 
 
 def rss_mb(pid: int | None) -> float | None:
