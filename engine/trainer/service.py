@@ -35,7 +35,7 @@ from typing import Any
 
 from tailrace.engine import heap, models, preflight, report
 from tailrace.engine.config import RunConfig
-from tailrace.engine.data import PromptSource
+from tailrace.engine.data import PromptSource, check_rows
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
@@ -74,6 +74,7 @@ class TrainerService:
         self.run_id = self.run_dir.name
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
+        check_rows(cfg.data, self.tokenizer)  # rows no chat template can encode: refused before the model loads
         self.warnings = [w for w in (preflight.round_trip_warning(self.tokenizer, cfg.model.path),) if w]
         for warning in self.warnings:  # also in endpoint.json, which `tailrace run` prints from
             log.warning("%s", warning)
@@ -132,6 +133,7 @@ class TrainerService:
         self.publishing: asyncio.Task | None = None  # publish.begin of the newest version, in the background
         self.stop_requested = False
         self.stop_reason = ""
+        self.failure: Exception | None = None  # what stopped the run from inside (a loop's error), raised at the end
         self.server: Any = None
         self.rewards: RewardDispatcher | None = None
         self.scoring: set[asyncio.Task] = set()
@@ -151,6 +153,35 @@ class TrainerService:
             log.info("stopping: %s", reason)
             self.stop_requested, self.stop_reason = True, reason
             self.changed.set()
+
+    def fail(self, where: str, exc: Exception) -> None:
+        """An error inside one of the trainer's loops stops the run with its message (said once, on the log,
+        to the peers as the Shutdown reason, in summary.json), and run() raises it at the end. A ValueError
+        is bad input or settings (one line); anything else is a bug (with its traceback)."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        text = str(exc) if isinstance(exc, ValueError) else f"{where} failed: {exc!r}"
+        if not isinstance(exc, ValueError):
+            log.error("%s", text, exc_info=exc)
+        self.stop_reason = ""  # the failure is the reason, whatever stop was asked before
+        self.stop_requested = False
+        self.request_stop(text)
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task:
+        """A background task whose error stops the run (fail), instead of vanishing with the task."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self.task_done)
+        return task
+
+    def task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(f"the trainer's {task.get_name()} task", task.exception())
+
+    def spawn_scoring(self, coro: Any) -> None:
+        task = self.spawn(coro, "scoring")
+        self.scoring.add(task)
+        task.add_done_callback(self.scoring.discard)
 
     async def run(self) -> dict[str, Any]:
         from tailrace.protocol import codec
@@ -187,18 +218,21 @@ class TrainerService:
                      self.run_id, report.attach_line(self.server.address, self.cfg.data.task,
                                                      curve=bool(cfg.curve_secret_key_file)))
             self.state = "idle"
-            net = asyncio.create_task(self.net_loop(), name="net")
-            stats = asyncio.create_task(self.stats_loop(), name="stats")
-            watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
-            probe = asyncio.create_task(loop_probe.watch(self.counters), name="loop-probe")
+            loops = [self.spawn(self.net_loop(), "net"), self.spawn(self.stats_loop(), "stats"),
+                     self.spawn(self.watchdog_loop(), "watchdog"), self.spawn(loop_probe.watch(self.counters), "loop-probe")]
             try:
                 await self.train_loop()
+            except Exception as exc:  # its peers are told why, not "run finished"
+                self.fail("the train loop", exc)
+                raise
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, watchdog, probe, *self.scoring):
+                for task in (*loops, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, watchdog, probe, *self.scoring, return_exceptions=True)
+                await asyncio.gather(*loops, *self.scoring, return_exceptions=True)
                 summary = self.finish()
+        if self.failure is not None:
+            raise self.failure
         return summary
 
     def accept(self, hello: m.Hello) -> m.Reject | None:
@@ -386,9 +420,7 @@ class TrainerService:
             self.controller.on_discard(msg.group_id, msg.sample_id, reason)
             self.changed.set()
             return
-        task = asyncio.create_task(self.score(group.prompt, msg))
-        self.scoring.add(task)
-        task.add_done_callback(self.scoring.discard)
+        self.spawn_scoring(self.score(group.prompt, msg))
 
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)

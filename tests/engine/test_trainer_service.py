@@ -235,3 +235,25 @@ async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_
         for name, value in after_step[version].items():
             torch.testing.assert_close(published[version][name], value, rtol=0, atol=0, msg=f"v{version} {name}")
     assert any(not torch.equal(after_step[1][k], after_step[2][k]) for k in after_step[1])  # the steps changed them
+
+
+@pytest.mark.timeout(60)
+async def test_an_error_inside_a_loop_stops_the_run_with_its_message_and_the_peers_hear_it(tmp_path):
+    """Issue 31: a row that fails when admitted (in the net loop, answering a WorkRequest) killed that loop
+    silently and the run waited forever; it stops the run, run() raises it, generators get it as the reason."""
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"question": "no prompt field here"}) + "\n")
+    service = make_service(tmp_path, "--data.source", str(data), "--train.steps", "5")
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    async with Client(address, role="generator", name="gen", capabilities={"vocab_size": service.vocab_size}) as gen:
+        await asyncio.wait_for(gen.connect(), 10)
+        await gen.send(m.WorkRequest(capacity=4, policy_version=0))
+        with pytest.raises(ValueError, match="data: row 0 has no string field 'prompt'"):
+            await asyncio.wait_for(run, 20)
+        shutdown = await asyncio.wait_for(gen.recv(), 10)
+    assert isinstance(shutdown, m.Shutdown) and "row 0" in shutdown.reason
+    summary = json.loads((service.run_dir / "summary.json").read_text())
+    assert "row 0" in summary["stop_reason"] and summary["samples_handed_out"] == 0
