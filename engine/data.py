@@ -14,6 +14,7 @@ encode. Test: pytest tests/engine/test_data.py tests/engine/test_chat_data.py
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -110,7 +111,7 @@ def check_rows(cfg: DataConfig, tokenizer: Any, num_rows: int = CHECKED_ROWS) ->
     chat = ChatTemplate(cfg.chat_template, tokenizer)
     if cfg.source == "synthetic" or chat.usable():
         return
-    for index, row in zip(range(num_rows), file_rows(cfg)):
+    for index, row in enumerate(itertools.islice(file_rows(cfg), num_rows)):
         if (turns := conversation(row, cfg.prompt_field, index)) is not None:
             chat.encode(turns[0], index)  # raises
 

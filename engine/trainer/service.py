@@ -11,6 +11,8 @@
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
+Every loop and task above is started by spawn(): an error in one stops the run with its message (fail).
+Checkpoints, summary.json and failed writes (a full disk): engine/trainer/saving.py.
 Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/drafters.py, which checks,
 fetches and republishes them. Evaluation (eval.every_steps): engine/trainer/evaluation.py.
 
@@ -38,7 +40,16 @@ from tailrace.engine.config import RunConfig
 from tailrace.engine.data import PromptSource, check_rows
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
-from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
+from tailrace.engine.trainer import (
+    checkpoint,
+    early,
+    loop_probe,
+    publish,
+    saving,
+    trained_log,
+    watchdog,
+    writes,
+)
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.evaluation import Evaluator
@@ -123,7 +134,7 @@ class TrainerService:
                 keep_metrics_up_to(self.run_dir / name, self.learner.step_count)
         self.sink = make_sink(self.run_dir, cfg)
         self.spans = SpanBuffer("trainer", "trainer", enabled=cfg.metrics.spans)
-        self.trace = TraceLog(self.run_dir / "trace.jsonl")
+        self.trace = TraceLog(self.run_dir / "trace.jsonl", on_failure=lambda exc: saving.trace_failed(self, exc))
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
@@ -134,6 +145,7 @@ class TrainerService:
         self.stop_requested = False
         self.stop_reason = ""
         self.failure: Exception | None = None  # what stopped the run from inside (a loop's error), raised at the end
+        self.checkpoints_failed = 0  # periodic checkpoints in a row that could not be written (writes.py)
         self.server: Any = None
         self.rewards: RewardDispatcher | None = None
         self.scoring: set[asyncio.Task] = set()
@@ -155,14 +167,16 @@ class TrainerService:
             self.changed.set()
 
     def fail(self, where: str, exc: Exception) -> None:
-        """An error inside one of the trainer's loops stops the run with its message (said once, on the log,
-        to the peers as the Shutdown reason, in summary.json), and run() raises it at the end. A ValueError
-        is bad input or settings (one line); anything else is a bug (with its traceback)."""
+        """An error inside a loop stops the run with its message (the log, the peers' Shutdown reason,
+        summary.json); run() raises it. ValueError, WriteFailed: one line; anything else: a bug, traced."""
         if self.failure is not None:
             return
         self.failure = exc
-        text = str(exc) if isinstance(exc, ValueError) else f"{where} failed: {exc!r}"
-        if not isinstance(exc, ValueError):
+        if isinstance(exc, writes.WriteFailed):
+            exc.outcome = saving.stopped_outcome(self)
+        one_line = isinstance(exc, ValueError | writes.WriteFailed)
+        text = str(exc) if one_line else f"{where} failed: {exc!r}"
+        if not one_line:
             log.error("%s", text, exc_info=exc)
         self.stop_reason = ""  # the failure is the reason, whatever stop was asked before
         self.stop_requested = False
@@ -306,11 +320,12 @@ class TrainerService:
         if self.evaluator.due(self.learner.step_count):  # engine/trainer/evaluation.py: waits for it
             await publish.published(self)
             metrics |= await self.evaluator.run(self, self.learner.step_count)
-        self.sink.log(self.learner.step_count, metrics)
+        with writes.writing(self.run_dir / "metrics.jsonl"):
+            self.sink.log(self.learner.step_count, metrics)
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
             await publish.published(self)
-            await self.save_checkpoint_off_loop()
+            await saving.periodic_checkpoint(self)  # skipped once when it cannot be written; twice stops the run
         self.state = "idle"
 
     # ------------------------------------------------------------------------------------ net loop
@@ -545,6 +560,8 @@ class TrainerService:
 
     async def shutdown_peers(self) -> None:
         self.state = "stopping"
+        if isinstance(self.failure, writes.WriteFailed):
+            await saving.warn(self, self.failure)
         cancelled = self.controller.on_stop()
         for peer in list(self.server.peers.values()):
             if peer.role == "generator" and cancelled:
@@ -553,34 +570,10 @@ class TrainerService:
         await self.server.publish(m.Shutdown(reason=self.stop_reason or "run finished"))
 
     def save_checkpoint(self) -> Path:
-        with self.spans.span("checkpoint"):
-            return self._write_checkpoint(self._checkpoint_record())
+        return saving.save_checkpoint(self)
 
     async def save_checkpoint_off_loop(self) -> Path:
-        """The same, with the file writes in a worker thread: the event loop keeps serving peers. The
-        record is taken on the loop, where the controller changes; the learner does not change meanwhile
-        (the train loop awaits this)."""
-        with self.spans.span("checkpoint"):
-            return await asyncio.to_thread(self._write_checkpoint, self._checkpoint_record())
-
-    def _checkpoint_record(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(data position, counters) consistent with what the checkpoint trained."""
-        self.state = "checkpointing"
-        consistent, unfinished = self.controller.checkpoint_state()
-        if self.controller.stopping:  # on_stop has counted them run_ended; the next run admits them again
-            unfinished = self.controller.stopped_prompts
-        position = {"prompts_consumed": self.source.position, "groups_admitted": consistent["groups_admitted"],
-                    "next_group_id": consistent["next_group_id"],
-                    "unfinished": [dataclasses.asdict(p) for p in unfinished]}
-        return position, self.summary() | {"samples_handed_out": consistent["samples_handed_out"]}
-
-    def _write_checkpoint(self, record: tuple[dict[str, Any], dict[str, Any]]) -> Path:
-        position, counters = record
-        folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position=position,
-                                 counters=counters, tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
-        if folder.is_dir():  # rank 0 alone relays drafters
-            self.drafters.save(folder)
-        return folder
+        return await saving.save_checkpoint_off_loop(self)
 
     def summary(self) -> dict[str, Any]:
         c = self.controller
@@ -612,14 +605,4 @@ class TrainerService:
         }
 
     def finish(self) -> dict[str, Any]:
-        self.controller.check_accounting()
-        folder = self.save_checkpoint()
-        summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.sink.close()
-        if (spans := self.spans.drain()) is not None:
-            self.trace.write(spans)
-        self.trace.close()
-        return summary
-
-
+        return saving.finish(self)

@@ -2,6 +2,9 @@
 
 - a generator frozen (SIGSTOP) past the trainer's dead verdict, then woken (SIGCONT): it rejoins as a new
   session, the run goes on with default launcher settings and finishes with exact accounting;
+- a full disk under the run folder (a tmpfs of 40 MiB, room for two checkpoints; root only): each failed
+  checkpoint is named in one line and leaves no .tmp-step_N, the second in a row stops the run resumably,
+  and once there is room `--resume` finishes it with exact accounting;
 - chat rows with a tokenizer that has no chat template: refused at start-up in seconds, in one line naming
   data.chat_template; a bad row met only during admission stops the run in seconds with its message.
 
@@ -51,6 +54,38 @@ def test_a_generator_frozen_past_the_dead_verdict_rejoins_and_the_run_finishes_e
     assert "crashed" not in run.output(), run.output()[-3000:]
     summary = _exact(runs / "frozen")
     assert summary["discarded"].get("generator_dead", 0) > 0  # what it held went to gen-1, and trained once
+
+
+CHECKPOINT_MB = 16  # one checkpoint of the tiny model: model + Adam state (DCP) and model.safetensors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not fk.can_mount(), reason="mounting a tmpfs needs root")
+def test_a_full_disk_is_named_leaves_no_partial_checkpoint_and_the_run_resumes_exactly(tmp_path):
+    runs = tmp_path / "runs"
+    args = [a for a in fk.run_args(runs, "full", steps=12) if a != "--no-progress"]  # the launcher's own line
+    with fk.small_disk(runs / "full", 2 * CHECKPOINT_MB + CHECKPOINT_MB // 2) as disk:
+        run = fk.Run(args, runs / "full")
+        code = run.finish(timeout_s=240)  # steps 2 and 4 fit; 6 fails (skipped), 8 fails (stop)
+        out = run.output()
+        assert code == 1, out[-3000:]
+        named = [line for line in out.splitlines() if line.startswith("tailrace trainer: cannot write ")]
+        skipped = f"tailrace trainer: cannot write {runs}/full/checkpoint/.tmp-step_000006: [Errno 28] No space left"
+        assert any(line.startswith(skipped) and "skipped" in line for line in named), out[-3000:]
+        stopped = [line for line in named if "stopped at step 8, resumable" in line]
+        assert stopped and ".tmp-step_000008" in stopped[0] and "checkpoint step_000004" in stopped[0], out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        checkpoints = runs / "full" / "checkpoint"
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]
+        summary = json.loads((runs / "full" / "summary.json").read_text())
+        assert summary["steps"] == 8 and "No space left" in summary["stop_reason"]
+        gen_log = (runs / "full" / "logs" / "gen-0.log").read_text()
+        assert "No space left" in gen_log and "run finished" not in gen_log  # told the real reason
+        disk.grow(1024)  # room again
+        resumed = fk.Run(args, runs / "full", resume=True)
+        assert resumed.finish(timeout_s=240) == 0, resumed.output()[-3000:]
+        assert _exact(runs / "full")["steps"] == 12
 
 
 def _chat_rows(path, rows):
