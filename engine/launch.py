@@ -356,6 +356,9 @@ async def _progress(address: str, total_steps: int, done: asyncio.Event, bars: b
                     msg = await asyncio.wait_for(client.recv_notice(), timeout=0.5)
                 except TimeoutError:
                     continue
+                if isinstance(msg, m.Event) and msg.event == "write_failed":  # the trainer's log may be on that disk
+                    print(f"\n{msg.text}", file=sys.stderr, flush=True)
+                    continue
                 if isinstance(msg, m.Event) and msg.event in ("stall", "lease_expired", "stall_over", "eval",
                                                               "no_signal"):
                     if steps is not None:

@@ -19,7 +19,7 @@ import zmq
 import zmq.backend
 
 from tailrace.protocol.codec import Limits
-from tailrace.protocol.messages import Credit, Heartbeat, Hello, Shutdown
+from tailrace.protocol.messages import Credit, ErrorCode, Heartbeat, Hello, Shutdown
 
 log = logging.getLogger("tailrace.transport")
 
@@ -62,6 +62,14 @@ class ConnectionLost(TransportError):
     def __init__(self, reason: str, code: int = 0):
         super().__init__(reason)
         self.code = code
+
+    @property
+    def declared_dead(self) -> bool:
+        """The trainer ended this session because it judged us dead (Error 410: nothing from us within its
+        peer timeout, a frozen or starved process) while both sides are alive: the peer may rejoin as a new
+        session (SPEC, Heartbeats and liveness). False for 409 (taken over: a successor holds the name, exit)
+        and every other loss. The one place that reads this verdict off the wire."""
+        return self.code == ErrorCode.DECLARED_DEAD
 
 
 class Rejected(TransportError):

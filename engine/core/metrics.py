@@ -44,11 +44,17 @@ class JsonlSink(MetricsSink):
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step} | {k: _clean(v) for k, v in metrics.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: the error names this file (the trainer stops, naming it)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:

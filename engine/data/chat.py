@@ -56,6 +56,10 @@ class ChatTemplate:
                 raise ValueError(f"data.chat_template: {setting!r} is not auto, none or an existing Jinja template file")
             self.override = path.read_text(encoding="utf-8")
 
+    def usable(self) -> bool:
+        """Whether conversational rows can be encoded at all (else encode raises, naming data.chat_template)."""
+        return self.setting != "none" and (self.override is not None or bool(getattr(self.tokenizer, "chat_template", None)))
+
     def encode(self, turns: Turns, index: int) -> tuple[list[int], str]:
         if self.setting == "none":
             raise ValueError(f"data: row {index} is conversational (a list of turns) but data.chat_template = "

@@ -8,11 +8,13 @@ A source has a position (rows consumed so far, counted over all epochs) that che
 epoch in file order or, with data.shuffle, in an order drawn from data.seed and the epoch number (so a
 resumed run sees the same order). Prompts whose tokens leave no room for max_new_tokens in the model's
 context are skipped and counted (`skipped_too_long`), never handed out; so are the evaluation's prompts
-(`held_out`, `skipped_held_out`). Test: pytest tests/engine/data/test_data.py
+(`held_out`, `skipped_held_out`). `check_rows` refuses at start-up conversational rows no chat template can
+encode. Test: pytest tests/engine/data/test_data.py tests/engine/data/test_chat_data.py
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -129,6 +131,21 @@ def exhausted_text(cfg: DataConfig, num_rows: int | None, what: str) -> str:
             f"(data.epochs = {epochs})")
 
 
+CHECKED_ROWS = 1000  # rows check_rows reads at start-up; a bad row further on stops the run when admitted
+
+
+def check_rows(cfg: DataConfig, tokenizer: Any, num_rows: int = CHECKED_ROWS) -> None:
+    """Refuse, before any model loads, a file source whose first `num_rows` rows hold a conversational row
+    that data.chat_template cannot encode (no template in the tokenizer, or "none"): the same ValueError
+    that admitting the row would raise, naming data.chat_template, but at start-up instead of mid-run."""
+    chat = ChatTemplate(cfg.chat_template, tokenizer)
+    if cfg.source == "synthetic" or chat.usable():
+        return
+    for index, row in enumerate(itertools.islice(file_rows(cfg), num_rows)):
+        if (turns := conversation(row, cfg.prompt_field, index)) is not None:
+            chat.encode(turns[0], index)  # raises
+
+
 class PromptSource:
     """Iterator of PromptRecord from the configured source, starting at `position`."""
 
@@ -177,8 +194,8 @@ class PromptSource:
         while True:
             row = next(self._rows)  # StopIteration ends the source
             index = self.position
-            self.position += 1
-            token_ids, text, answer = self._encode(row, index)
+            token_ids, text, answer = self._encode(row, index)  # a bad row stops the run: not yet consumed,
+            self.position += 1  # so that a resume after fixing the setting reads it again
             if text in self.held_out:
                 self.skipped_held_out += 1
                 continue

@@ -3,6 +3,8 @@ finished sample at once, and takes new weights between decode steps.
 
     recv loop   consumes Work / Cancel / WeightsNotice / WeightsChunk / Shutdown / Error from the trainer
                 into GenState (bounded: work only arrives as answers to our own WorkRequests)
+    session     one Hello and these loops; a session the trainer declared dead while we were alive (a
+                frozen process) ends with its work dropped, and a new session starts (drop_session)
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
                 request work > decode one step (in a worker thread) > wait for the recv loop
     stats loop  sends Stats and the spans recorded since (engine/generator/spans.py) every trainer stats interval
@@ -148,10 +150,33 @@ class GeneratorService:
         self.items_rejected = 0
         self.eval_samples: dict[int, int] = {}  # eval group id -> its samples not yet sent (Rollout.eval)
         self.eval_sent = 0
+        self.held: collections.Counter[int] = collections.Counter()  # group id -> its samples in the backend
+        self.rejoins = 0  # sessions the trainer declared dead while we were alive, each followed by a new one
+        self.samples_dropped = 0  # samples of such sessions, dropped (the trainer handed them out again)
         self.started_s = time.monotonic()
         self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
 
     async def run(self) -> str:
+        """Serve the run until the trainer's Shutdown (returns its reason). A session the trainer declared
+        dead while this process was alive (frozen, starved) is followed by a new one (rejoin)."""
+        from tailrace.protocol.transport import ConnectionLost
+
+        async with gc_freeze.frozen():  # as the trainer: no full GC pass walks the start-up heap
+            try:
+                while True:
+                    try:
+                        return await self.session()
+                    except ConnectionLost as exc:
+                        if not exc.declared_dead:  # the trainer is gone, or a successor took our name
+                            raise
+                        self.drop_session(exc)
+            finally:
+                if self.spot_thread is not None:
+                    self.spot_thread.shutdown(wait=False, cancel_futures=True)
+                self.backend.close()
+
+    async def session(self) -> str:
+        """One session with the trainer: Hello, then the loops until Shutdown (its reason) or ConnectionLost."""
         from tailrace.protocol.transport import Client, ConnectionLost
 
         caps = {"backend": self.backend.name, "vocab_size": self.backend.vocab_size,
@@ -159,15 +184,16 @@ class GeneratorService:
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
-        async with gc_freeze.frozen(), self.client:  # as the trainer: no full GC pass walks the start-up heap
+        async with self.client:
             welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=self.connect_for_s,
                                                 waiting_every_s=WAITING_EVERY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
             recv = asyncio.create_task(self.recv_loop(), name="recv")
-            recv.add_done_callback(lambda _: self.wakeup.set())  # an idle main loop must see it end
             stats = asyncio.create_task(self.stats_loop(), name="stats")
+            for task in (recv, stats):
+                task.add_done_callback(lambda _: self.wakeup.set())  # an idle main loop must see it end
             try:
-                await self.main_loop(recv)
+                await self.main_loop(recv, stats)
             except ConnectionLost:
                 # A send can race the trainer's Shutdown (the connection ends as it arrives): that is
                 # the normal end of a run, anything else is a real loss.
@@ -178,24 +204,40 @@ class GeneratorService:
                 for task in (recv, stats):
                     task.cancel()
                 await asyncio.gather(recv, stats, return_exceptions=True)
-                if self.spot_thread is not None:
-                    self.spot_thread.shutdown(wait=False, cancel_futures=True)
-                self.backend.close()
         return self.state.shutdown or ""
+
+    def drop_session(self, lost: Exception) -> None:
+        """The trainer declared our session dead and handed its samples out again (generator_dead): what
+        that session held is dropped here, never sent (a new session's results must answer its own work);
+        weights already fetched are kept."""
+        held = self.backend.cancel(list(self.held))
+        dropped = len(held) + sum(item.num_samples for item in self.state.pending_items)
+        self.samples_dropped += dropped
+        self.rejoins += 1
+        log.warning("%s: %s; dropping the %d samples of that session (the trainer handed them out again) and "
+                    "joining as a new session (rejoin %d)", self.name, lost, dropped, self.rejoins)
+        self.held.clear()
+        self.eval_samples.clear()
+        self.assembler = self.drafter_assembler = None
+        self.state = GenState(in_flight_update=self.cfg.generator.in_flight_update,
+                              ready_weights=self.state.ready_weights)
 
     def refresh(self) -> None:
         s, b = self.state, self.backend
         if s.cancel_groups:
             b.cancel(s.cancel_groups)
+            for group_id in s.cancel_groups:
+                self.held.pop(group_id, None)
             s.cancel_groups = set()
         s.num_running, s.num_waiting, s.capacity = b.num_running, b.num_waiting, b.capacity()
         s.policy_version = b.policy_version
         s.drafter_has_data = self.spot is not None and self.spot.has_data()
 
-    async def main_loop(self, recv: asyncio.Task) -> None:
+    async def main_loop(self, recv: asyncio.Task, stats: asyncio.Task) -> None:
         while True:
-            if recv.done():
-                recv.result()  # surface a dead connection or a bug in the recv loop
+            for task in (recv, stats):
+                if task.done():
+                    task.result()  # surface a dead connection or a bug in the recv or stats loop
             self.refresh()
             if self.ready_drafter is not None:  # between steps: small, and never blocks rollouts
                 self.adopt_drafter()
@@ -226,6 +268,7 @@ class GeneratorService:
                 if self.spot is not None:
                     self.spot.add_traces(self.backend.take_traces())
                 for done in finished:
+                    self._left_backend(done.group_id)
                     await self.send_rollout(done)
             elif action is Action.TRAIN_DRAFTER:
                 self.status = "drafter_training"
@@ -254,6 +297,7 @@ class GeneratorService:
         try:
             for request in requests_for(item):  # all share the prompt: the first add fails or none does
                 self.backend.add(request)
+            self.held[item.group_id] += item.num_samples
             return []
         except ValueError as exc:
             self.items_rejected += 1
@@ -268,6 +312,11 @@ class GeneratorService:
                           min_policy_version=version, max_policy_version=version, finish_reason="error",
                           finished_wall_s=time.time(), eval=item.eval)
                 for i in range(item.num_samples)]
+
+    def _left_backend(self, group_id: int) -> None:
+        self.held[group_id] -= 1
+        if self.held[group_id] <= 0:
+            del self.held[group_id]
 
     def _sent_eval(self, group_id: int, num: int) -> bool:
         """Whether the group is eval work; counts `num` of its samples as sent."""
@@ -438,6 +487,8 @@ class GeneratorService:
             "generator/time/busy_s": b.prefill_s + b.decode_s,
             "generator/time/wall_s": elapsed,
             "generator/work/items_rejected": self.items_rejected,
+            "generator/session/rejoins": self.rejoins,
+            "generator/session/samples_dropped": self.samples_dropped,
             "generator/eval/samples_sent": self.eval_sent,
             "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
         }

@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from tailrace.engine.trainer import dist, lora, ranks
 from tailrace.engine.trainer.learner import Learner
+from tailrace.engine.trainer.writes import WriteFailed, os_error
 
 PREFIX = "step_"
 LATEST = "latest"
@@ -70,7 +71,8 @@ def save(
 
     data_position: the caller's opaque, JSON-serialisable position in its data (restored verbatim).
     counters: other JSON-serialisable run counters (samples trained, discards by reason, ...).
-    Returns the checkpoint folder.
+    Returns the checkpoint folder. A save that fails leaves no ROOT/.tmp-step_N; an OSError (a full disk)
+    is raised as WriteFailed naming the path, `latest` still pointing at the last complete checkpoint.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last: must be >= 1, got {keep_last}")
@@ -78,6 +80,20 @@ def save(
     learner = ranks.for_all_ranks(learner, root, keep_last)  # rank 0 of several: the others join the save
     final = root / checkpoint_name(learner.step_count)
     tmp = root / f".tmp-{final.name}"
+    try:
+        _save(learner, root, tmp, final, data_position, counters, tokenizer, keep_last)
+    except BaseException as exc:
+        if dist.is_rank0():  # no partial checkpoint stays behind to keep a full disk full
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = os_error(exc)
+        if error is None:
+            raise
+        raise WriteFailed(tmp, error) from exc
+    return final
+
+
+def _save(learner: Learner, root: Path, tmp: Path, final: Path, data_position: dict[str, Any],
+          counters: dict[str, Any] | None, tokenizer: Any, keep_last: int) -> None:
     if dist.is_rank0():
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save
@@ -111,7 +127,6 @@ def save(
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()
-    return final
 
 
 def _point_latest(root: Path, name: str) -> None:

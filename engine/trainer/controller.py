@@ -5,6 +5,7 @@
         step's groups (forward/backward early) --(close_step, once nothing it must hold is in flight)--> learner
     generator dies --> its unfinished sample ranges are discarded ("generator_dead") and re-queued
     lease runs out --> the sample is reclaimed ("lease_expired") and re-queued; a late result is dropped
+    and counted under the reason it was reclaimed for, also once its group is over (`reclaimed`, bounded)
 
 Nothing here does I/O: the trainer's loop (engine/trainer/main.py) calls these methods and sends what
 they return. Every sample handed out ends as trained or discarded with a reason (docs/operating.md);
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailrace.engine.core.samples import PromptRecord
+
+MAX_RECLAIMED = 1 << 16  # reclaimed samples remembered for their late results (oldest forgotten first)
 
 
 class AccountingError(RuntimeError):
@@ -41,7 +44,6 @@ class GroupState:
     group_size: int
     assigned: dict[int, str] = field(default_factory=dict)  # sample_id -> generator peer name
     leases: dict[int, tuple[float, float]] = field(default_factory=dict)  # sample_id -> (handed out, deadline)
-    expired: dict[int, str] = field(default_factory=dict)  # sample_id -> peer whose lease on it ran out
     results: dict[int, Any] = field(default_factory=dict)  # sample_id -> scored sample
     discarded: set[int] = field(default_factory=set)
     pending_scores: set[int] = field(default_factory=set)  # received, being scored
@@ -105,6 +107,9 @@ class Controller:
         self.discarded: collections.Counter[str] = collections.Counter()
         self.max_staleness_seen = 0
         self.stopped_prompts: list[PromptRecord] = []  # prompts of the groups on_stop ended untrained
+        # (group id, sample id, peer) -> why that peer's sample was taken back: its late result is dropped and
+        # counted under that reason, also after the group is over (bounded: then it counts as unknown_group)
+        self.reclaimed: collections.OrderedDict[tuple[int, int, str], str] = collections.OrderedDict()
 
     @property
     def exhausted(self) -> bool:
@@ -160,6 +165,7 @@ class Controller:
             for sid in range(rng.first_sample_id, rng.first_sample_id + take):
                 group.assigned[sid] = peer
                 group.leases[sid] = (now, now + lease_s)
+                self.reclaimed.pop((rng.group_id, sid, peer), None)  # its result answers this hand-out now
             self.samples_handed_out += take
             capacity -= take
             items.append((group.prompt, SampleRange(rng.group_id, rng.first_sample_id, take),
@@ -179,10 +185,11 @@ class Controller:
     def check_rollout(self, peer: str, group_id: int, sample_id: int) -> str | None:
         """None if this sample is one we handed to `peer` and still wait for; else why it is dropped."""
         group = self.groups.get(group_id)
+        late = self.reclaimed.get((group_id, sample_id, peer))
         if group is None:
-            return "unknown_group"
+            return late or "unknown_group"
         if group.assigned.get(sample_id) != peer:
-            return "lease_expired" if group.expired.get(sample_id) == peer else "not_assigned"
+            return late or "not_assigned"
         if sample_id in group.results or sample_id in group.discarded or sample_id in group.pending_scores:
             return "duplicate"
         return None
@@ -234,7 +241,6 @@ class Controller:
             if group.leases.get(sid, (now, now))[1] >= now:
                 return False
             held[group.assigned[sid]] += 1
-            group.expired[sid] = group.assigned[sid]
             return True
 
         self._reclaim(expired, "lease_expired")
@@ -252,13 +258,18 @@ class Controller:
                           if sid not in group.results and sid not in group.discarded
                           and sid not in group.pending_scores and lost_if(group, sid))
             for sid in lost:
-                del group.assigned[sid]
+                self._remember(group.group_id, sid, group.assigned.pop(sid), reason)
                 group.leases.pop(sid, None)
                 self.discarded[reason] += 1
             for first, count in _runs(lost):
                 requeued.append(SampleRange(group.group_id, first, count))
         self.queue.extendleft(reversed(requeued))
         return requeued
+
+    def _remember(self, group_id: int, sample_id: int, peer: str, reason: str) -> None:
+        self.reclaimed[(group_id, sample_id, peer)] = reason
+        if len(self.reclaimed) > MAX_RECLAIMED:
+            self.reclaimed.popitem(last=False)
 
     # ------------------------------------------------------------------------------- training
 

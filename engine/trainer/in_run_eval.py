@@ -153,9 +153,7 @@ class Evaluator:
         if problem is not None and problem[0] != "empty_completion":  # an empty answer is an answer: scored
             log.warning("eval rollout %d/%d from %s failed: %s", msg.group_id, msg.sample_id, peer.name, problem[1])
             return self._record(group, None)
-        task = asyncio.create_task(self._score(svc, group, msg))
-        svc.scoring.add(task)
-        task.add_done_callback(svc.scoring.discard)
+        svc.spawn_scoring(self._score(svc, group, msg))
 
     async def _score(self, svc: Any, group: EvalGroup, msg: m.Rollout) -> None:
         prompt = group.state.prompt

@@ -73,6 +73,7 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
             from tailrace.engine.trainer.service import TrainerService
 
             role = TrainerService(cfg, resume=args.resume, make_learner=make_learner)
+    from tailrace.engine.trainer.writes import WriteFailed
     from tailrace.protocol.transport import BindFailed, run
 
     try:
@@ -87,6 +88,8 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
         if fresh:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise ValueError(f"trainer.bind: {exc}; pick another port, or port 0 for a free one") from None
+    except WriteFailed:  # a full disk: already said in one line on stderr, and to the peers
+        return 1
     if summary is not None:
         print(f"tailrace trainer: {report.summary_line(summary)}")
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))  # last: for scripts

@@ -22,7 +22,7 @@ async def begin(service: Any) -> None:
     """Publish the learner's version: started in the background on one rank, awaited on several."""
     if dist.world_size() == 1:
         service.controller.on_new_version(service.learner.policy_version)
-        service.publishing = asyncio.create_task(publish(service, track="weights"), name="publish")
+        service.publishing = service.spawn(publish(service, track="weights"), "publish")  # an error stops the run
     else:
         await publish(service)
 

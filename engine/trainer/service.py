@@ -13,6 +13,8 @@
     watchdog    every second: reclaims samples whose lease ran out (re-dispatched), and once the train
                 loop has waited controller.stall_warn_s for a batch, says what blocks it (log, Event
                 "stall" on the notice socket, which `tailrace run` prints under its progress bar)
+Every loop and task above is started by spawn(): an error in one stops the run with its message (fail).
+Checkpoints, summary.json and failed writes (a full disk): engine/trainer/saving.py.
 Drafter sharing (net loop): generators' drafter uploads go to engine/trainer/drafters.py, which checks,
 fetches and republishes them. Evaluation (eval.every_steps): engine/trainer/in_run_eval.py.
 
@@ -42,16 +44,18 @@ from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import PromptRecord, TrainSample
 from tailrace.engine.core.weights import WeightsStore
 from tailrace.engine.data.chat import adopt_template
-from tailrace.engine.data.prompt_sources import PromptSource
+from tailrace.engine.data.prompt_sources import PromptSource, check_rows
 from tailrace.engine.trainer import (
     checkpoint,
     early,
     loop_probe,
     publish,
     sample_log,
+    saving,
     scoring,
     trained_log,
     watchdog,
+    writes,
 )
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
@@ -90,6 +94,7 @@ class TrainerService:
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
         adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
+        check_rows(cfg.data, self.tokenizer)  # rows no chat template can encode: refused before the model loads
         self.warnings = [w for w in (preflight.round_trip_warning(self.tokenizer, cfg.model.path),) if w]
         for warning in self.warnings:  # also in endpoint.json, which `tailrace run` prints from
             log.warning("%s", warning)
@@ -139,7 +144,7 @@ class TrainerService:
                 keep_metrics_up_to(self.run_dir / name, self.learner.step_count)
         self.sink = make_sink(self.run_dir, cfg)
         self.spans = SpanBuffer("trainer", "trainer", enabled=cfg.metrics.spans)
-        self.trace = TraceLog(self.run_dir / "trace.jsonl")
+        self.trace = TraceLog(self.run_dir / "trace.jsonl", on_failure=lambda exc: saving.trace_failed(self, exc))
         self.state = "starting"
         self.parked: dict[bytes, int] = {}  # generator peer id -> capacity of its parked WorkRequest
         self.peer_stats: dict[str, m.Stats] = {}
@@ -149,6 +154,8 @@ class TrainerService:
         self.publishing: asyncio.Task | None = None  # publish.begin of the newest version, in the background
         self.stop_requested = False
         self.stop_reason = ""
+        self.failure: Exception | None = None  # what stopped the run from inside (a loop's error), raised at the end
+        self.checkpoints_failed = 0  # periodic checkpoints in a row that could not be written (writes.py)
         self.server: Any = None
         self.rewards: RewardDispatcher | None = None
         self.scoring: set[asyncio.Task] = set()
@@ -168,6 +175,37 @@ class TrainerService:
             log.info("stopping: %s", reason)
             self.stop_requested, self.stop_reason = True, reason
             self.changed.set()
+
+    def fail(self, where: str, exc: Exception) -> None:
+        """An error inside a loop stops the run with its message (the log, the peers' Shutdown reason,
+        summary.json); run() raises it. ValueError, WriteFailed: one line; anything else: a bug, traced."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        if isinstance(exc, writes.WriteFailed):
+            exc.outcome = saving.stopped_outcome(self)
+        one_line = isinstance(exc, ValueError | writes.WriteFailed)
+        text = str(exc) if one_line else f"{where} failed: {exc!r}"
+        if not one_line:
+            log.error("%s", text, exc_info=exc)
+        self.stop_reason = ""  # the failure is the reason, whatever stop was asked before
+        self.stop_requested = False
+        self.request_stop(text)
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task:
+        """A background task whose error stops the run (fail), instead of vanishing with the task."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self.task_done)
+        return task
+
+    def task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(f"the trainer's {task.get_name()} task", task.exception())
+
+    def spawn_scoring(self, coro: Any) -> None:
+        task = self.spawn(coro, "scoring")
+        self.scoring.add(task)
+        task.add_done_callback(self.scoring.discard)
 
     async def run(self) -> dict[str, Any]:
         from tailrace.protocol import codec
@@ -203,18 +241,21 @@ class TrainerService:
             log.info("trainer listening on %s (run %s); %s", self.server.address, self.run_id,
                      scoring.reward_line(self.cfg, self.server.address, curve=bool(cfg.curve_secret_key_file)))
             self.state = "idle"
-            net = asyncio.create_task(self.net_loop(), name="net")
-            stats = asyncio.create_task(self.stats_loop(), name="stats")
-            watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
-            probe = asyncio.create_task(loop_probe.watch(self.counters), name="loop-probe")
+            loops = [self.spawn(self.net_loop(), "net"), self.spawn(self.stats_loop(), "stats"),
+                     self.spawn(self.watchdog_loop(), "watchdog"), self.spawn(loop_probe.watch(self.counters), "loop-probe")]
             try:
                 await self.train_loop()
+            except Exception as exc:  # its peers are told why, not "run finished"
+                self.fail("the train loop", exc)
+                raise
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, watchdog, probe, *self.scoring):
+                for task in (*loops, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, watchdog, probe, *self.scoring, return_exceptions=True)
+                await asyncio.gather(*loops, *self.scoring, return_exceptions=True)
                 summary = self.finish()
+        if self.failure is not None:
+            raise self.failure
         return summary
 
     def accept(self, hello: m.Hello) -> m.Reject | None:
@@ -281,7 +322,8 @@ class TrainerService:
         if self.evaluator.due(self.learner.step_count):  # engine/trainer/in_run_eval.py: waits for it
             await publish.published(self)
             metrics |= await self.evaluator.run(self, self.learner.step_count)
-        self.sink.log(self.learner.step_count, metrics)
+        with writes.writing(self.run_dir / "metrics.jsonl"):
+            self.sink.log(self.learner.step_count, metrics)
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)  # as score() does
         sample_log.append(self.run_dir, sample_log.records(self.learner.step_count, batch,
                                                            self.cfg.metrics.samples_per_step, decode))
@@ -291,7 +333,7 @@ class TrainerService:
         every = self.cfg.checkpoint.every_steps
         if every and self.learner.step_count % every == 0:
             await publish.published(self)
-            await self.save_checkpoint_off_loop()
+            await saving.periodic_checkpoint(self)  # skipped once when it cannot be written; twice stops the run
         self.state = "idle"
 
     # ------------------------------------------------------------------------------------ net loop
@@ -401,9 +443,7 @@ class TrainerService:
             self.controller.on_discard(msg.group_id, msg.sample_id, reason)
             self.changed.set()
             return
-        task = asyncio.create_task(self.score(group.prompt, msg))
-        self.scoring.add(task)
-        task.add_done_callback(self.scoring.discard)
+        self.spawn_scoring(self.score(group.prompt, msg))
 
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
@@ -528,6 +568,8 @@ class TrainerService:
 
     async def shutdown_peers(self) -> None:
         self.state = "stopping"
+        if isinstance(self.failure, writes.WriteFailed):
+            await saving.warn(self, self.failure)
         cancelled = self.controller.on_stop()
         for peer in list(self.server.peers.values()):
             if peer.role == "generator" and cancelled:
@@ -536,34 +578,10 @@ class TrainerService:
         await self.server.publish(m.Shutdown(reason=self.stop_reason or "run finished"))
 
     def save_checkpoint(self) -> Path:
-        with self.spans.span("checkpoint"):
-            return self._write_checkpoint(self._checkpoint_record())
+        return saving.save_checkpoint(self)
 
     async def save_checkpoint_off_loop(self) -> Path:
-        """The same, with the file writes in a worker thread: the event loop keeps serving peers. The
-        record is taken on the loop, where the controller changes; the learner does not change meanwhile
-        (the train loop awaits this)."""
-        with self.spans.span("checkpoint"):
-            return await asyncio.to_thread(self._write_checkpoint, self._checkpoint_record())
-
-    def _checkpoint_record(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(data position, counters) consistent with what the checkpoint trained."""
-        self.state = "checkpointing"
-        consistent, unfinished = self.controller.checkpoint_state()
-        if self.controller.stopping:  # on_stop has counted them run_ended; the next run admits them again
-            unfinished = self.controller.stopped_prompts
-        position = {"prompts_consumed": self.source.position, "groups_admitted": consistent["groups_admitted"],
-                    "next_group_id": consistent["next_group_id"],
-                    "unfinished": [dataclasses.asdict(p) for p in unfinished]}
-        return position, self.summary() | {"samples_handed_out": consistent["samples_handed_out"]}
-
-    def _write_checkpoint(self, record: tuple[dict[str, Any], dict[str, Any]]) -> Path:
-        position, counters = record
-        folder = checkpoint.save(self.run_dir / "checkpoint", self.learner, data_position=position,
-                                 counters=counters, tokenizer=self.tokenizer, keep_last=self.cfg.checkpoint.keep)
-        if folder.is_dir():  # rank 0 alone relays drafters
-            self.drafters.save(folder)
-        return folder
+        return await saving.save_checkpoint_off_loop(self)
 
     def summary(self) -> dict[str, Any]:
         c = self.controller
@@ -596,14 +614,4 @@ class TrainerService:
         }
 
     def finish(self) -> dict[str, Any]:
-        self.controller.check_accounting()
-        folder = self.save_checkpoint()
-        summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.sink.close()
-        if (spans := self.spans.drain()) is not None:
-            self.trace.write(spans)
-        self.trace.close()
-        return summary
-
-
+        return saving.finish(self)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
+from tailrace.engine.trainer.writes import WriteFailed, writing
 from tailrace.protocol import messages as m
 
 TRACE_COUNTER_MARKS = ("/queue/", "staleness", "in_flight")
@@ -54,19 +56,34 @@ def records(msg: object) -> list[dict]:
 
 
 class TraceLog:
-    def __init__(self, path: str | Path):
+    """on_failure(WriteFailed) is called once when a write fails (a full disk): the trace ends there and the
+    run goes on (it is telemetry: nothing resumes from it); without it the WriteFailed is raised."""
+
+    def __init__(self, path: str | Path, on_failure: Callable[[WriteFailed], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
         self.num_dropped = 0  # spans the senders' rings overwrote (they said so in Spans.dropped)
+        self.failed = False  # a write failed: the trace ends there
+        self.on_failure = on_failure
 
     def write(self, msg: m.Spans | m.Stats | m.Event) -> None:
         if isinstance(msg, m.Spans):
             self.num_dropped += msg.dropped
         lines = records(msg)
-        if lines and not self._file.closed:
-            self._file.write("".join(json.dumps(r) + "\n" for r in lines))
-            self._file.flush()
+        if lines and not self._file.closed and not self.failed:
+            try:
+                with writing(self.path):
+                    self._file.write("".join(json.dumps(r) + "\n" for r in lines))
+                    self._file.flush()
+            except WriteFailed as exc:
+                self.failed = True
+                if self.on_failure is None:
+                    raise
+                self.on_failure(exc)
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # what failed to flush was said when it failed, or is the trace's tail
+            pass

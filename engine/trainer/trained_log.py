@@ -13,13 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tailrace.engine.trainer.writes import writing
+
 FILE_NAME = "trained.jsonl"
 
 
 def append(run_dir: Path, step: int, batch: list[Any]) -> None:
     """Record the samples of `batch` (controller GroupStates) as trained by `step`."""
     samples = [[g.group_id, g.prompt.prompt_id, sid] for g in batch for sid in sorted(g.results)]
-    with (run_dir / FILE_NAME).open("a") as f:
+    with writing(run_dir / FILE_NAME), (run_dir / FILE_NAME).open("a") as f:  # a torn line is dropped on resume
         f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
 

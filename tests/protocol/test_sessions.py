@@ -59,10 +59,28 @@ async def test_a_new_hello_under_a_connected_name_takes_the_session_over(ctx):
             assert [e[:2] for e in events] == [("joined", True), ("joined", False), ("left", True)]
             assert "taken over" in events[2][2]
             assert [p.name for p in server.peers.values()] == ["gen-0"] and old_id not in server.peers
-            with pytest.raises(ConnectionLost, match="taken over") as info:
+            with pytest.raises(ConnectionLost, match="taken over") as lost:
                 await asyncio.wait_for(old.recv(), WAIT_S)
-            assert info.value.code == ErrorCode.TAKEN_OVER
+            assert lost.value.code == ErrorCode.TAKEN_OVER
+            assert not lost.value.declared_dead  # its successor holds the name: it must not rejoin
         assert server.counters["peers/taken_over"] == 1
+
+
+async def test_a_peer_declared_dead_while_alive_is_told_so_and_may_rejoin_as_a_new_session(ctx):
+    async with Server("tcp://127.0.0.1:0", run_id="r", heartbeat_interval_s=0.05, missed_heartbeats=4,
+                      context=ctx) as server:
+        async with Client(server.address, role="generator", name="gen-0", context=ctx) as frozen:
+            await frozen.connect(timeout_s=WAIT_S)
+            for task in list(frozen._tasks):  # its heartbeats stop, as in a frozen process
+                if task.get_name() == "client-heartbeat":
+                    task.cancel()
+            with pytest.raises(ConnectionLost, match="declared dead") as lost:
+                await asyncio.wait_for(frozen.recv(), WAIT_S)
+            assert lost.value.declared_dead and lost.value.code == ErrorCode.DECLARED_DEAD
+        async with Client(server.address, role="generator", name="gen-0", context=ctx) as again:
+            await again.connect(timeout_s=WAIT_S)
+            assert [p.name for p in server.peers.values()] == ["gen-0"]
+        assert server.counters["peers/dead"] == 1 and server.counters["peers/taken_over"] == 0
 
 
 async def test_takeover_hands_in_flight_score_requests_to_the_new_session(ctx):

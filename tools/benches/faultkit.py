@@ -4,6 +4,8 @@
     Run            one `tailrace run` subprocess: its children by pid, steps from metrics.jsonl, waits with
                    a deadline and a reason (Hang), kill -9 of one child, a stop that leaves nothing behind
     process_tree   every process descended from a pid; alive(): which of some pids still run (orphans)
+    freeze         SIGSTOP of one child for a while, then SIGCONT
+    small_disk     a tmpfs of a few MiB mounted under the run folder (a full disk), grown later (root only)
     TrainerWatch   a thread with a tool connection on the trainer's notice socket (reconnects when the
                    trainer restarts): the largest trainer/loop/max_stall_ms any trainer reported
     hold_work      a silent generator: says Hello, takes work, heartbeats, never answers (leases reclaim it)
@@ -168,6 +170,44 @@ def alive(tree: dict[int, str]) -> set[int]:
     """The processes of a process_tree() that still run (a zombie waiting for its parent does not)."""
     return {pid for pid, started in tree.items()
             if (fields := _stat(pid)) is not None and fields[0] != "Z" and fields[19] == started}
+
+
+def freeze(run: Run, name: str, seconds: float) -> dict[str, Any]:
+    """SIGSTOP of the child `name` for `seconds`, then SIGCONT (a process frozen by a debugger, swapped out,
+    or starved). Returns its pid, the steps trained meanwhile and whether the trainer declared it dead."""
+    pid = run.wait(f"a running {name}", lambda: run.child_pid(name), 120)
+    before = run.steps()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    log = (run.run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    return {"pid": pid, "steps_while_frozen": run.steps() - before, "declared_dead": f"generator {name!r} dead" in log}
+
+
+def can_mount() -> bool:
+    """Whether small_disk can mount a tmpfs here (root, and mount(8) permitted)."""
+    return os.geteuid() == 0 and subprocess.run(["mount", "--version"], capture_output=True).returncode == 0
+
+
+class small_disk:  # noqa: N801 (a context manager, used as a verb)
+    """`with small_disk(path, size_mb):` a tmpfs of size_mb mounted at path (created), unmounted after;
+    grow(size_mb) resizes it in place (what freeing space does). Needs root (can_mount)."""
+
+    def __init__(self, path: Path, size_mb: int):
+        self.path, self.size_mb = path, size_mb
+
+    def __enter__(self) -> small_disk:
+        self.path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m", "tmpfs", str(self.path)], check=True)
+        return self
+
+    def grow(self, size_mb: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size_mb}m", str(self.path)], check=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
 def rss_mb(pid: int | None) -> float | None:

@@ -4,13 +4,16 @@
 
 The faulty run, in order, each at a random moment (seeded): kill -9 of a generator, kill -9 of the reward
 server (the launcher restarts both, --launch.on_child_crash restart), a silent generator that takes work and
-never answers (--controller.lease_s small, so its lease runs out), kill -9 of the trainer and `--resume`,
-then a fuzz burst on the resumed trainer's endpoint while it trains. A kill is survived when training
-advances past it within its deadline; a wait past its deadline is a hang. Figures: kills, kills_survived,
-hangs, samples_lost (handed out - trained - discarded), samples_trained_twice (trained.jsonl, per prompt),
-fuzz_frames, crashes (child crashes not caused here, or a launcher that failed), max_loop_stall_ms (the
-trainer's trainer/loop/max_stall_ms over both trainers), rss_growth_mb (resumed trainer, from before the
-fuzz burst to the end), wall_s_faults, wall_s_clean and their ratio, and the machine's load.
+never answers (--controller.lease_s small, so its lease runs out), a generator frozen (SIGSTOP) past the dead
+verdict and woken (tools/benches/faults_operator.py), kill -9 of the trainer and `--resume`, then a fuzz
+burst on the resumed trainer's endpoint while it trains; after it, a run on a full disk (faults_operator,
+root only). A kill is survived when training advances past it within its deadline; a wait past its
+deadline is a hang. Figures: kills, kills_survived, hangs, samples_lost (handed out - trained - discarded),
+samples_trained_twice (trained.jsonl, per prompt; these three over both runs), frozen_generator and
+full_disk (their own figures), fuzz_frames, crashes (child crashes not caused here, or a launcher that
+failed), max_loop_stall_ms (the trainer's trainer/loop/max_stall_ms over both trainers), rss_growth_mb
+(resumed trainer, from before the fuzz burst to the end), wall_s_faults, wall_s_clean and their ratio, and
+the machine's load.
 Then the launcher's own faults, each on a run of its own (tools/benches/launcher_faults.py): SIGTERM to the
 launcher, a second run on its folder, kill -9 of the launcher; figures orphans (processes left: 0),
 sigterm_survived, second_run_refused, launcher_kill9_survived, launcher_samples_lost.
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.benches import faultkit as fk
-from tools.benches import launcher_faults
+from tools.benches import faults_operator, launcher_faults
 
 LEASE_S = 4.0  # the silent generator's samples come back after this
 
@@ -89,6 +92,8 @@ class Faulty:
             self._kill_child(run, "reward-0")
             self._silent_generator(run)
             self._advance(run, "the silent generator left", steps=self.rng.randint(1, 3))
+            self.figures["frozen_generator"] = frozen = faults_operator.frozen_generator(run, "gen-1", self.log)
+            self.figures["hangs"] += frozen["hangs"]
             time.sleep(self.rng.uniform(0.0, 1.0))
             run.kill("trainer")
             self.figures["kills"] += 1
@@ -134,9 +139,11 @@ def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
         counted = fk.accounting(runs / "faults")
         summary = counted["summary"]
         assert summary["steps"] == steps, summary
+        disk = faults_operator.full_disk(runs, log)
         launcher = launcher_faults.run(runs, log)
-        return {**faulty.figures, **launcher, "samples_lost": counted["samples_lost"],
-                "samples_trained_twice": counted["samples_trained_twice"],
+        return {**faulty.figures, **launcher, "full_disk": disk, "hangs": faulty.figures["hangs"] + disk.get("hangs", 0),
+                "samples_lost": counted["samples_lost"] + disk.get("samples_lost", 0),
+                "samples_trained_twice": counted["samples_trained_twice"] + disk.get("samples_trained_twice", 0),
                 "max_loop_stall_ms": round(watch.max_stall_ms, 1), "steps": steps,
                 "discarded": summary["discarded"], "wall_s_faults": round(wall_faults, 1),
                 "wall_s_clean": round(wall_clean, 1), "ratio": round(wall_faults / wall_clean, 2),

@@ -10,7 +10,7 @@ import pytest
 
 from tailrace.engine.config import DataConfig
 from tailrace.engine.core import models
-from tailrace.engine.data.prompt_sources import PromptSource
+from tailrace.engine.data.prompt_sources import PromptSource, check_rows
 
 # Only characters of the tiny model's vocabulary, so that every token is a real one (no <unk>).
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }};{% endfor %}"
@@ -90,6 +90,33 @@ def test_conversational_rows_without_a_template_name_data_chat_template(tmp_path
     with pytest.raises(ValueError, match="data.chat_template: .*missing.jinja' is not auto, none"):
         PromptSource(DataConfig(source=source, chat_template=str(tmp_path / "missing.jinja")), tokenizer,
                      max_prompt_tokens=100)
+
+
+def test_chat_rows_no_template_can_encode_are_refused_at_start_up_before_the_model_loads(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    text = {"prompt": "rev:abc="}
+    tokenizer.chat_template = None
+    cfg = DataConfig(source=_file(tmp_path, [text, text, {"prompt": TURNS}]))
+    with pytest.raises(ValueError, match="row 2 is conversational but the tokenizer has no chat template; "
+                                         "set data.chat_template"):
+        check_rows(cfg, tokenizer)
+    check_rows(cfg, tokenizer, num_rows=2)  # only the first rows are read: a later one fails when admitted
+    (tmp_path / "text").mkdir()
+    check_rows(DataConfig(source=_file(tmp_path / "text", [text] * 3)), tokenizer)  # text rows need no template
+    tokenizer.chat_template = TEMPLATE
+    check_rows(cfg, tokenizer)
+    # The trainer checks right after its tokenizer, before any model loads (issue 31: it hung mid-run).
+    from tailrace.engine.config import load_config
+    from tailrace.engine.trainer import service
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(service.models, "load_model", no_model)
+    tokenizer.chat_template = None  # models.load_tokenizer hands the trainer this (cached) tokenizer
+    run = load_config(None, ["--data.source", cfg.source, "--trainer.runs_dir", str(tmp_path / "runs")])
+    with pytest.raises(ValueError, match="data.chat_template"):
+        service.TrainerService(run)
 
 
 def test_malformed_turns_are_a_clear_error(tmp_path, tokenizer):

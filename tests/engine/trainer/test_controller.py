@@ -79,7 +79,7 @@ def test_redispatch_after_generator_death_and_accounting():
     assert ctrl.discarded["generator_dead"] == 3
     work = ctrl.request_work("g1", 8)
     assert [(r.group_id, r.first_sample_id, r.num_samples) for _, r, _ in work.items] == [(0, 1, 3)]
-    assert ctrl.check_rollout("g0", 0, 1) == "not_assigned"  # the dead one's late result is refused
+    assert ctrl.check_rollout("g0", 0, 1) == "generator_dead"  # the dead one's late result is refused, counted so
     finish(ctrl, 0, peer="g1")
     assert group.done
     batch = ctrl.pop_batch()

@@ -153,6 +153,30 @@ def test_a_lease_that_runs_out_re_dispatches_and_drops_the_late_result():
     assert ctrl.samples_trained == 4 and ctrl.samples_handed_out == 4 + 3 + 4  # 4 more for group 1
 
 
+def test_a_late_result_counts_under_why_its_sample_was_taken_back_also_once_its_group_is_over():
+    """Issue 31: a late Rollout of a lease that ran out was counted unknown_group once another generator
+    had finished the group; it is lease_expired (generator_dead for a dead generator's), whatever the group."""
+    ctrl = Controller(prompts(), group_size=3, groups_per_step=1, max_staleness=1)
+    ctrl.request_work("gone", 1, now=0.0, lease_s=50.0)  # sample 0
+    ctrl.request_work("slow", 2, now=0.0, lease_s=5.0)  # samples 1, 2
+    ctrl.on_generator_dead("gone")
+    assert ctrl.expire_leases(now=6.0) == {"slow": 2}
+    assert ctrl.check_rollout("slow", 0, 1) == "lease_expired"  # the group is still open
+    again = ctrl.request_work("slow", 1, now=6.0, lease_s=5.0).items  # sample 1 again, to the same generator
+    assert [(r.first_sample_id, r.num_samples) for _, r, _ in again] == [(1, 1)]
+    ctrl.request_work("other", 2, now=6.0, lease_s=5.0)  # samples 2 and 0
+    for peer, sid in (("slow", 1), ("other", 2), ("other", 0)):
+        assert ctrl.check_rollout(peer, 0, sid) is None  # sample 0 answers slow's new hand-out
+        ctrl.on_received(0, sid)
+        ctrl.on_scored(0, sid, FakeSample(0))
+    assert 0 not in ctrl.groups  # the group is over
+    assert ctrl.check_rollout("slow", 0, 2) == "lease_expired"
+    assert ctrl.check_rollout("gone", 0, 0) == "generator_dead"
+    assert ctrl.check_rollout("slow", 0, 1) == "unknown_group"  # its result answered the second hand-out
+    assert ctrl.check_rollout("stranger", 0, 1) == "unknown_group"
+    assert dict(ctrl.discarded) == {"lease_expired": 2, "generator_dead": 1}
+
+
 def test_resume_from_a_checkpoint_trains_every_prompt_once_and_accounts_exactly():
     """A checkpoint taken with groups in flight and complete-but-untrained: the resumed controller admits
     exactly those prompts again first, counts nothing twice, and its group ids never repeat."""

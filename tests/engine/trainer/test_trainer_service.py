@@ -278,3 +278,25 @@ async def test_steps_whose_groups_all_got_one_reward_are_said_and_their_completi
     lines = [json.loads(line) for line in (service.run_dir / "samples.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 1, 1, 1, 2, 2, 2, 2]
     assert all(line["completion"] == "z" and len(set(line["group_rewards"])) == 1 for line in lines)
+
+
+@pytest.mark.timeout(60)
+async def test_an_error_inside_a_loop_stops_the_run_with_its_message_and_the_peers_hear_it(tmp_path):
+    """Issue 31: a row that fails when admitted (in the net loop, answering a WorkRequest) killed that loop
+    silently and the run waited forever; it stops the run, run() raises it, generators get it as the reason."""
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"question": "no prompt field here"}) + "\n")
+    service = make_service(tmp_path, "--data.source", str(data), "--train.steps", "5")
+    run = asyncio.create_task(service.run())
+    address = await wait_bound(service)
+    async with Client(address, role="generator", name="gen", capabilities={"vocab_size": service.vocab_size}) as gen:
+        await asyncio.wait_for(gen.connect(), 10)
+        await gen.send(m.WorkRequest(capacity=4, policy_version=0))
+        with pytest.raises(ValueError, match="data: row 0 has no string field 'prompt'"):
+            await asyncio.wait_for(run, 20)
+        shutdown = await asyncio.wait_for(gen.recv(), 10)
+    assert isinstance(shutdown, m.Shutdown) and "row 0" in shutdown.reason
+    summary = json.loads((service.run_dir / "summary.json").read_text())
+    assert "row 0" in summary["stop_reason"] and summary["samples_handed_out"] == 0
