@@ -181,8 +181,10 @@ class TrainConfig:
     lr: float = 5e-4  # AdamW learning rate
     lr_schedule: str = "constant"  # constant | cosine | linear
     warmup_steps: int = 0  # linear warmup before the schedule
+    min_lr_ratio: float = 0.0  # cosine / linear decay ends at lr x this at train.steps
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # gradient clipping; 0 = off
     clip_eps_low: float = 0.2  # PPO ratio clip below 1
     clip_eps_high: float = 0.28  # PPO ratio clip above 1
@@ -191,6 +193,8 @@ class TrainConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean
     adv_norm_std: bool = True  # GRPO: divide advantages by the group std
     micro_batch_tokens: int = 4096  # padded tokens per forward pass
+    logprob_chunk_tokens: int = 1024  # rows of the LM head computed at once: the [rows, vocab] logits alive at a time
+    log_entropy: bool = True  # compute the policy's entropy over the completion tokens: metric trainer/policy/entropy
     ppo_epochs: int = 1  # passes over each step's batch (TRL num_iterations); > 1: the clip acts against the policy at the start of the step
     minibatches: int = 1  # optimizer updates per pass: the step's groups split into this many parts, whole groups each
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long contexts), every train.replay mode
@@ -207,20 +211,29 @@ class TrainConfig:
                "dpo runs on the shared-prefix modes: auto, replay or packed, not naive")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.groups_per_step >= 1, "train.groups_per_step", "must be >= 1")
-        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", "must be finite and > 0")
         _check(self.lr_schedule in ("constant", "cosine", "linear"), "train.lr_schedule",
                f"{self.lr_schedule!r} is not one of constant, cosine, linear")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.lr_schedule == "constant" or self.steps > self.warmup_steps, "train.steps",
+               f"{self.lr_schedule} decay needs train.steps > train.warmup_steps = {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+        _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "train.betas",
+               "needs two values in [0, 1)")
+        _check(self.adam_eps > 0, "train.adam_eps", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         _check(self.loss_agg in ("token_mean", "sample_mean"), "train.loss_agg",
                f"{self.loss_agg!r} is not one of token_mean, sample_mean")
         _check(self.replay in ("auto", "naive", "replay", "packed"), "train.replay",
                f"{self.replay!r} is not one of auto, naive, replay, packed")
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+        _check(self.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
         _check(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
         _check(1 <= self.minibatches <= self.groups_per_step, "train.minibatches",
                f"must be in [1, train.groups_per_step = {self.groups_per_step}]: each part holds whole groups")
         _check(self.algorithm != "dpo" or (self.ppo_epochs, self.minibatches) == (1, 1), "train.ppo_epochs",
                "dpo takes one optimizer step per batch of pairs: ppo_epochs and minibatches must be 1")
-        _check(len(self.betas) == 2, "train.betas", "needs two values")
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@
     packed.py     `packed`: whole tries as one sequence with a tree mask; `auto` picks one of the two
     dpo_loss.py   DPO's loss over a chosen/rejected pair sharing its prompt
 
-STRATEGIES maps the learner's `replay` names to factories from a LearnerConfig. This package imports
+STRATEGIES maps train.replay's names to factories from the train config (engine/config.py TrainConfig). This package imports
 nothing of engine/trainer (the loss types it shares with the learner are in engine/core/losses.py), so the
 learner imports it directly. Test: pytest tests/engine/replay/test_trie.py tests/engine/replay/test_replay.py
 """
@@ -35,4 +35,4 @@ def _auto(config: Any) -> AutoForwardBackward:
 
 
 STRATEGIES: dict[str, Callable[[Any], Any]] = {"replay": _replay, "packed": _packed, "auto": _auto}
-"""Learner strategy name -> factory(LearnerConfig) -> ForwardBackward."""
+"""train.replay -> factory(TrainConfig) -> ForwardBackward."""

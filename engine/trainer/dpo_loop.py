@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tailrace.engine.config import RunConfig
+from tailrace.engine.config import LoRAConfig, RunConfig, TrainConfig
 from tailrace.engine.core import lifeline, models
 from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import TrainSample
@@ -35,9 +35,9 @@ from tailrace.engine.data.chat import adopt_template
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
 from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
 from tailrace.engine.trainer import checkpoint, dist
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
+from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.loss import LossNormaliser
-from tailrace.engine.trainer.runs import learner_config, make_run_dir
+from tailrace.engine.trainer.runs import make_run_dir
 
 log = logging.getLogger("tailrace.trainer")
 
@@ -56,10 +56,10 @@ def pair_samples(pairs: Sequence[PreferencePair], policy_version: int) -> list[T
 
 
 class DPOLearner(Learner):
-    """A Learner whose step takes preference pairs; the reference model is a frozen copy of the policy as
-    given (so build it before loading a checkpoint into the policy). One rank."""
+    """A Learner whose step takes preference pairs, with DPO's beta train.dpo_beta; the reference model is a
+    frozen copy of the policy as given (so build it before loading a checkpoint into the policy). One rank."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig, *, beta: float,
+    def __init__(self, model: nn.Module, config: TrainConfig, *, lora_config: LoRAConfig | None = None,
                  ref_model: nn.Module | None = None) -> None:
         if config.replay == "naive":
             raise ValueError("train.replay: dpo runs on the shared-prefix modes auto, replay or packed")
@@ -67,8 +67,9 @@ class DPOLearner(Learner):
             raise ValueError("train.algorithm: dpo runs on one rank")
         if (config.ppo_epochs, config.minibatches) != (1, 1):
             raise ValueError("train.ppo_epochs, train.minibatches: dpo takes one optimizer step per batch of pairs")
-        super().__init__(model, config, ref_model=copy.deepcopy(model) if ref_model is None else ref_model)
-        self.beta = beta
+        super().__init__(model, config, lora_config=lora_config,
+                         ref_model=copy.deepcopy(model) if ref_model is None else ref_model)
+        self.beta = config.dpo_beta
 
     def backward(self, pairs: Sequence[PreferencePair]) -> tuple[list[TrainSample], dict[str, torch.Tensor]]:
         """DPO gradients of `pairs` into the policy's .grad (zeroed first); the samples and the strategy's
@@ -107,7 +108,7 @@ class DPOTrainer:
         self.tokenizer = models.load_tokenizer(model_path)
         adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
         model = models.load_model(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
-        self.learner = DPOLearner(model, learner_config(cfg), beta=cfg.train.dpo_beta)
+        self.learner = DPOLearner(model, cfg.train, lora_config=cfg.model.lora)
         state: dict[str, Any] = {}
         if resume:
             folder = checkpoint.latest(self.run_dir / "checkpoint")

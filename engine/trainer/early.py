@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from tailrace.engine.trainer.intake import to_group
 
+if TYPE_CHECKING:
+    from tailrace.engine.config import RunConfig
+    from tailrace.engine.trainer.controller import Controller
+    from tailrace.engine.trainer.learner import Learner
+    from tailrace.protocol.telemetry import SpanBuffer
 
-async def accumulate_committed(service: Any) -> None:
+
+class EarlyService(Protocol):
+    """What the early forward/backward uses of the trainer service (TrainerService satisfies it:
+    tests/engine/trainer/test_collaborators.py)."""
+
+    cfg: RunConfig
+    learner: Learner
+    controller: Controller
+    spans: SpanBuffer
+    train_busy_s: float  # the forward/backward's seconds are added here
+
+
+async def accumulate_committed(service: EarlyService) -> None:
     """Commit the complete groups that belong to the open step and run the forward/backward of those not
     yet run (in a thread, like a step), again while more complete meanwhile; nothing when the step can
     close now (the step itself runs them, without a thread hop). A learner that cannot (several ranks)

@@ -21,7 +21,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
@@ -30,9 +30,34 @@ from tailrace.engine.trainer.intake import rollout_problem
 from tailrace.engine.trainer.scoring import ScoringFailed
 from tailrace.protocol import messages as m
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tailrace.engine.trainer.learner import Learner
+    from tailrace.engine.trainer.scoring import RewardDispatcher
+    from tailrace.protocol.transport import Server
+
 log = logging.getLogger("tailrace.trainer")
 
 EVAL_GROUP_ID_BASE = 1 << 48  # eval group ids start here: never a training group's (the controller counts from 0)
+
+
+class EvalService(Protocol):
+    """What the evaluation uses of the trainer service (TrainerService satisfies it:
+    tests/engine/trainer/test_collaborators.py)."""
+
+    learner: Learner
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    server: Server
+    rewards: RewardDispatcher | None  # None until the service serves
+    stop_requested: bool
+
+    async def serve_parked(self) -> None: ...
+
+    def spawn_scoring(self, coro: Any) -> None: ...  # a scoring task whose error stops the run
+
+    def event(self, name: str, text: str, **fields: Any) -> m.Event: ...
 
 
 @dataclass
@@ -70,7 +95,7 @@ class Evaluator:
 
     # ------------------------------------------------------------------------------------ the evaluation
 
-    async def run(self, svc: Any, step: int) -> dict[str, float]:
+    async def run(self, svc: EvalService, step: int) -> dict[str, float]:
         """Hand the evaluation out at the published policy version, wait for it, return its figures
         ({} when it was given up, or the run stopped)."""
         version = svc.learner.policy_version
@@ -101,7 +126,7 @@ class Evaluator:
         self.groups.clear()
         return self.last
 
-    async def _give_up(self, svc: Any, step: int) -> dict[str, float]:
+    async def _give_up(self, svc: EvalService, step: int) -> dict[str, float]:
         missing = self.outstanding
         in_flight = sum(len(g.assigned) - g.recorded for g in self.groups.values())  # handed out, not settled
         text = (f"eval at step {step} given up after {self.results.seconds:.0f} s: {missing} samples not back"
@@ -143,7 +168,7 @@ class Evaluator:
             items.append(item)
         return items
 
-    def on_rollout(self, svc: Any, peer: Any, msg: m.Rollout) -> None:
+    def on_rollout(self, svc: EvalService, peer: Any, msg: m.Rollout) -> None:
         group = self.groups.get(msg.group_id)
         if group is None or group.assigned.get(msg.sample_id) != peer.name or msg.sample_id in group.returned:
             self.counters["rollouts_dropped/eval_not_assigned"] += 1
@@ -155,9 +180,10 @@ class Evaluator:
             return self._record(group, None)
         svc.spawn_scoring(self._score(svc, group, msg))
 
-    async def _score(self, svc: Any, group: EvalGroup, msg: m.Rollout) -> None:
+    async def _score(self, svc: EvalService, group: EvalGroup, msg: m.Rollout) -> None:
         prompt = group.state.prompt
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
+        assert svc.rewards is not None  # set before the service serves, so before any rollout
         try:
             reward, _ = await svc.rewards.score_with_details(prompt.task, prompt.text, completion, prompt.metadata)
         except ScoringFailed as exc:

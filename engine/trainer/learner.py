@@ -17,14 +17,14 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from tailrace.engine.config import FSDPConfig, LoRAConfig
+from tailrace.engine.config import LoRAConfig, TrainConfig
 from tailrace.engine.core.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.core.models import run_as_forward
 from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
@@ -32,70 +32,8 @@ from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
 from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.trainer import dist, lora, ppo
-from tailrace.engine.trainer.loss import STAT_KEYS, LossConfig, StepLoss, assign_advantages, finalize_metrics
+from tailrace.engine.trainer.loss import STAT_KEYS, StepLoss, assign_advantages, finalize_metrics, loss_config
 from tailrace.kernels.logprobs import chunked_logprobs
-
-SCHEDULES = ("constant", "cosine", "linear")
-
-
-@dataclass(kw_only=True)
-class LearnerConfig:
-    """Optimizer, schedule and execution of the learning step.
-
-    max_grad_norm: clip the global gradient norm to this (0 disables clipping; the norm is still logged).
-    lr_schedule: "constant", or "cosine"/"linear" decay from lr to lr * min_lr_ratio at total_steps;
-    warmup_steps of linear warmup precede any of them. micro_batch_tokens: padded tokens (rows x longest
-    row) per forward pass of the naive strategy. logprob_chunk_tokens: rows of the LM head computed at once.
-    replay: forward/backward strategy, a key of STRATEGIES. fsdp: sharding under torchrun (dist.shard_model).
-    lora: r > 0 trains low-rank adapters only (engine/trainer/lora.py).
-    ppo_epochs, minibatches: passes over a step's batch and optimizer updates per pass (engine/trainer/ppo.py).
-    gradient_checkpointing: recompute each decoder layer's activations in backward, whatever the strategy.
-    """
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 0
-    min_lr_ratio: float = 0.0
-    micro_batch_tokens: int = 8192
-    logprob_chunk_tokens: int = 1024
-    log_entropy: bool = True
-    replay: str = "naive"
-    seed: int = 0
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    gradient_checkpointing: bool = False
-    loss: LossConfig = field(default_factory=LossConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # TOML gives lists
-        if not (self.lr > 0.0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: must be finite and > 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas: two values in [0, 1), got {self.betas}")
-        for name in ("weight_decay", "max_grad_norm"):
-            if not getattr(self, name) >= 0.0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not self.adam_eps > 0.0:
-            raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"lr_schedule: must be one of {SCHEDULES}, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"total_steps: {self.lr_schedule} decay needs total_steps > warmup_steps")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
-            raise ValueError("micro_batch_tokens, logprob_chunk_tokens: must be >= 1")
-        if self.ppo_epochs < 1 or self.minibatches < 1:
-            raise ValueError(f"ppo_epochs, minibatches: must be >= 1, got {self.ppo_epochs}, {self.minibatches}")
 
 
 @dataclass
@@ -278,12 +216,12 @@ class NaiveForwardBackward:
         return stats
 
 
-def _naive(config: LearnerConfig) -> ForwardBackward:
+def _naive(config: TrainConfig) -> ForwardBackward:
     return NaiveForwardBackward(config.micro_batch_tokens, config.logprob_chunk_tokens, config.log_entropy)
 
 
-# Strategy name -> factory from the learner config. Issue 4 adds "replay", "packed" and "auto".
-STRATEGIES: dict[str, Callable[[LearnerConfig], ForwardBackward]] = {"naive": _naive, **REPLAY_STRATEGIES}
+# train.replay -> factory from the train config; engine/replay adds "replay", "packed" and "auto".
+STRATEGIES: dict[str, Callable[[TrainConfig], ForwardBackward]] = {"naive": _naive, **REPLAY_STRATEGIES}
 
 
 # ---------------------------------------------------------------------------------------------- learner
@@ -346,29 +284,34 @@ def _batch_metrics(samples: Sequence[TrainSample], normaliser: LossNormaliser, s
 class Learner:
     """Owns the policy model, AdamW, the LR schedule and an optional frozen reference model.
 
-    Every rank constructs one and calls step() with the same whole batch; see engine/trainer/dist.py. Under
-    torchrun the model (and the reference model) are sharded with FSDP2 here, before AdamW sees them.
-    policy_version counts optimizer steps from `initial_policy_version` (the weights it starts with).
+    Its settings are the run's `train` section (engine/config.py TrainConfig: optimizer, schedule over
+    train.steps, loss, forward/backward strategy, sharding) and the adapters of `model.lora` (none when
+    lora_config is None). Every rank constructs one and calls step() with the same whole batch; see
+    engine/trainer/dist.py. Under torchrun the model (and the reference model) are sharded with FSDP2 here,
+    before AdamW sees them. policy_version counts optimizer steps from `initial_policy_version` (the
+    weights it starts with).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        config: LearnerConfig,
+        config: TrainConfig,
         *,
+        lora_config: LoRAConfig | None = None,
         ref_model: nn.Module | None = None,
         forward_backward: ForwardBackward | None = None,
         initial_policy_version: int = 0,
     ) -> None:
         if config.replay not in STRATEGIES:
             raise ValueError(f"replay: must be one of {sorted(STRATEGIES)}, got {config.replay!r}")
-        if config.loss.kl_coef > 0.0 and ref_model is None:
-            raise ValueError("loss.kl_coef: > 0 needs a reference model")
+        if config.kl_coef > 0.0 and ref_model is None:
+            raise ValueError("train.kl_coef: > 0 needs a reference model")
         _check_plain_lm_head(model)
         seed_everything(config.seed)
-        self.lora = lora.attach(model, config.lora)  # a PeftModel or None
+        self.lora = lora.attach(model, lora_config) if lora_config is not None else None  # a PeftModel or None
         self.model = dist.shard_model(model, config.fsdp, checkpointing=config.gradient_checkpointing)
         self.config = config
+        self.loss = loss_config(config)
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -379,7 +322,7 @@ class Learner:
             _param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.adam_eps,
             fused=_fused_adamw(self.params) or None,
         )
-        schedule = LRSchedule(config.lr_schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
+        schedule = LRSchedule(config.lr_schedule, config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step_count = 0
         self.policy_version = initial_policy_version
@@ -405,7 +348,7 @@ class Learner:
         if dist.world_size() > 1 or dist.fsdp_modules(self.model) or not groups or \
                 self.config.ppo_epochs > 1 or self.config.minibatches > 1:
             return False
-        assign_advantages(groups, self.config.loss)
+        assign_advantages(groups, self.loss)
         if not self._accumulated:
             self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
@@ -428,7 +371,7 @@ class Learner:
         if len(done) != len(self._accumulated):
             raise ValueError("batch: it lacks groups that accumulate() already ran for this step")
         rest = [u for u in batch if not (isinstance(u, Group) and u.group_id in self._accumulated)]
-        assign_advantages([g for g in batch if isinstance(g, Group)], self.config.loss)
+        assign_advantages([g for g in batch if isinstance(g, Group)], self.loss)
         parts = [batch] if done else ppo.split_minibatches(batch, self.config.minibatches)
         staleness = [self.policy_version - s.min_policy_version for s in samples]
         epoch_stats, updates = self._finish_accumulated(samples, rest) if done else self._passes(parts)
@@ -469,7 +412,7 @@ class Learner:
                     if first and len(parts) > 1:
                         prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
                     if mine[i]:
-                        loss_fn = StepLoss(mine[i], self.config.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
+                        loss_fn = StepLoss(mine[i], self.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
                         if first and self.config.ppo_epochs > 1:
                             loss_fn = ppo.RecordingLoss(loss_fn)
                         add_stats(stats, self.forward_backward(self.model, mine[i], loss_fn, normalisers[i]))
@@ -484,7 +427,7 @@ class Learner:
         """The step's single pass when accumulate() ran some of its groups: their gradient brought to the
         step's normaliser, the rest's forward/backward added, one update (as _passes returns them)."""
         normaliser = LossNormaliser.from_samples(samples)
-        scale = float(normaliser.token_weights(torch.ones(1), self.config.loss.aggregation)[0])
+        scale = float(normaliser.token_weights(torch.ones(1), self.loss.aggregation)[0])
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -500,7 +443,7 @@ class Learner:
         ref_logprobs = self._ref_logprobs(mine)
         with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
             if mine:
-                loss_fn = StepLoss(mine, self.config.loss, ref_logprobs=ref_logprobs)
+                loss_fn = StepLoss(mine, self.loss, ref_logprobs=ref_logprobs)
                 add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
             dist.reduce_gradients(self.model, self._zero_weight_loss)
         return stats
@@ -563,7 +506,7 @@ class Learner:
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
         """Every rank calls this (the sharded reference model is gathered once, whatever its share)."""
-        if self.ref_model is None or self.config.loss.kl_coef == 0.0:
+        if self.ref_model is None or self.loss.kl_coef == 0.0:
             return None
         with dist.gathered(self.ref_model, self.config.fsdp.reshard_after_forward):
             return sample_logprobs(self.ref_model, samples, micro_batch_tokens=self.config.micro_batch_tokens,

@@ -14,11 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.core.samples import Group, TrainSample
+
+if TYPE_CHECKING:
+    from tailrace.engine.config import TrainConfig
 
 AGGREGATIONS = ("token_mean", "sample_mean")
 
@@ -54,6 +58,12 @@ class LossConfig:
             raise ValueError(f"aggregation: must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if not self.advantage_eps > 0.0:
             raise ValueError(f"advantage_eps: must be > 0, got {self.advantage_eps}")
+
+
+def loss_config(train: TrainConfig) -> LossConfig:
+    """The loss of a run: the settings of its train section (the learner's; advantage_eps is the loss's own)."""
+    return LossConfig(clip_eps_low=train.clip_eps_low, clip_eps_high=train.clip_eps_high, is_cap=train.is_cap,
+                      kl_coef=train.kl_coef, aggregation=train.loss_agg, scale_advantages=train.adv_norm_std)
 
 
 # --------------------------------------------------------------------------------------------- advantages

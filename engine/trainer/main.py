@@ -101,7 +101,7 @@ def _run_ranks(cfg: Any, resume: bool, make_learner: Any, rank: int) -> dict | N
     from tailrace.engine.core import models
     from tailrace.engine.trainer import checkpoint, ranks
     from tailrace.engine.trainer.learner import Learner
-    from tailrace.engine.trainer.runs import learner_config, make_run_dir
+    from tailrace.engine.trainer.runs import make_run_dir
 
     make = make_learner or Learner
     if rank == 0:
@@ -128,7 +128,7 @@ def _run_ranks(cfg: Any, resume: bool, make_learner: Any, rank: int) -> dict | N
     path = cfg.model.path or "tiny"
     model = models.load_model(path, dtype=cfg.model.dtype, device=cfg.model.device).train()
     ref = models.load_model(path, dtype=cfg.model.dtype, device=cfg.model.device) if cfg.train.kl_coef > 0 else None
-    learner = make(model, learner_config(cfg), ref_model=ref)
+    learner = make(model, cfg.train, lora_config=cfg.model.lora, ref_model=ref)
     latest = checkpoint.latest(run_dir / "checkpoint") if resume else None
     if latest is not None:
         checkpoint.load(latest, learner)

@@ -13,12 +13,35 @@ overlaps it. Test: tests/engine/trainer/test_trainer_service.py
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tailrace.engine.trainer import dist
 
+if TYPE_CHECKING:
+    from tailrace.engine.core.weights import WeightsStore
+    from tailrace.engine.trainer.controller import Controller
+    from tailrace.engine.trainer.learner import Learner
+    from tailrace.protocol.telemetry import SpanBuffer
+    from tailrace.protocol.transport import Server
 
-async def begin(service: Any) -> None:
+
+class PublishService(Protocol):
+    """What the publication uses of the trainer service (TrainerService satisfies it:
+    tests/engine/trainer/test_collaborators.py)."""
+
+    learner: Learner
+    controller: Controller
+    store: WeightsStore
+    server: Server
+    spans: SpanBuffer
+    publishing: asyncio.Task | None  # the background publication of the newest version
+
+    async def serve_parked(self) -> None: ...
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task: ...  # a task whose error stops the run
+
+
+async def begin(service: PublishService) -> None:
     """Publish the learner's version: started in the background on one rank, awaited on several."""
     if dist.world_size() == 1:
         service.controller.on_new_version(service.learner.policy_version)
@@ -27,7 +50,7 @@ async def begin(service: Any) -> None:
         await publish(service)
 
 
-async def published(service: Any) -> None:
+async def published(service: PublishService) -> None:
     """Wait for the background publication of the newest version, if one is under way (its errors raise
     here)."""
     if service.publishing is not None:
@@ -35,7 +58,7 @@ async def published(service: Any) -> None:
         await task
 
 
-async def publish(service: Any, track: str = "main") -> None:
+async def publish(service: PublishService, track: str = "main") -> None:
     version = service.learner.policy_version
     with service.spans.span("weights_gather", track=track):
         weights = await asyncio.to_thread(service.learner.state_dict_for_broadcast)  # gathered across ranks

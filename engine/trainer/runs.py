@@ -1,4 +1,4 @@
-"""A run's folder and the learner's settings from the run config, shared by the GRPO and DPO trainers.
+"""A run's folder, shared by the GRPO and DPO trainers.
 
     runs/<name>/config.toml    the resolved config (make_run_dir)
     runs/<name>/metrics.jsonl  one line per step; after a resume, the lines of steps past the checkpoint
@@ -14,19 +14,6 @@ import time
 from pathlib import Path
 
 from tailrace.engine.config import RunConfig, to_toml
-from tailrace.engine.trainer.learner import LearnerConfig
-from tailrace.engine.trainer.loss import LossConfig
-
-
-def learner_config(cfg: RunConfig) -> LearnerConfig:
-    t = cfg.train
-    loss = LossConfig(clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap,
-                      kl_coef=t.kl_coef, aggregation=t.loss_agg, scale_advantages=t.adv_norm_std)
-    return LearnerConfig(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                         micro_batch_tokens=t.micro_batch_tokens, replay=t.replay, seed=t.seed, loss=loss,
-                         fsdp=t.fsdp, lora=cfg.model.lora, ppo_epochs=t.ppo_epochs, minibatches=t.minibatches,
-                         gradient_checkpointing=t.gradient_checkpointing)
 
 
 def make_run_dir(cfg: RunConfig, resume: bool) -> Path:

@@ -63,7 +63,7 @@ from tailrace.engine.trainer.in_run_eval import Evaluator
 from tailrace.engine.trainer.intake import rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.reward_signal import NoSignalWatch
-from tailrace.engine.trainer.runs import keep_metrics_up_to, learner_config, make_run_dir
+from tailrace.engine.trainer.runs import keep_metrics_up_to, make_run_dir
 from tailrace.engine.trainer.scoring import RewardDispatcher, ScoringFailed
 from tailrace.engine.trainer.step_metrics import batch_metrics
 from tailrace.engine.trainer.trace import TraceLog
@@ -81,7 +81,7 @@ MAX_BODY_BYTES = 256 << 10  # bodies sent to the trainer are small (tensors trav
 
 
 LearnerFactory = Callable[..., Learner]
-"""Called as Learner is, (model, LearnerConfig, ref_model=...): the service takes one, so that a benchmark
+"""Called as Learner is, (model, cfg.train, lora_config=cfg.model.lora, ref_model=...): the service takes one, so that a benchmark
 can put modelled compute there (tools/benches/modelled.py)."""
 
 
@@ -104,7 +104,7 @@ class TrainerService:
             if cfg.train.kl_coef > 0 else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = model.config.max_position_embeddings
-        self.learner = (make_learner or Learner)(model, learner_config(cfg), ref_model=ref)
+        self.learner = (make_learner or Learner)(model, cfg.train, lora_config=cfg.model.lora, ref_model=ref)
         state: dict[str, Any] = {}
         resume_from = checkpoint.latest(self.run_dir / "checkpoint") if resume else None
         if resume and resume_from is None:

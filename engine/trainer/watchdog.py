@@ -22,7 +22,14 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tailrace.engine.config import RunConfig
+    from tailrace.engine.trainer.controller import Controller
+    from tailrace.engine.trainer.scoring import RewardDispatcher
+    from tailrace.protocol import messages as m
+    from tailrace.protocol.transport import Server
 
 log = logging.getLogger("tailrace.trainer")
 
@@ -78,7 +85,29 @@ def diagnose(s: Situation) -> str:
             f"complete for the step")
 
 
-def situation(service: Any, now: float) -> Situation:
+class WatchedService(Protocol):
+    """What the watchdog uses of the trainer service (TrainerService satisfies it:
+    tests/engine/trainer/test_collaborators.py)."""
+
+    cfg: RunConfig
+    controller: Controller
+    server: Server
+    rewards: RewardDispatcher | None  # None until the service serves
+    counters: collections.Counter[str]
+    parked: dict[bytes, int]  # generator peer id -> capacity of its parked WorkRequest
+    scoring: set[asyncio.Task]  # completions being scored
+    changed: asyncio.Event  # set to wake the train loop
+    started_s: float
+    waiting_since_s: float | None  # when the train loop began waiting for a batch; None: not waiting
+    progress_s: float  # last sign of life
+    stop_requested: bool
+
+    async def serve_parked(self) -> None: ...
+
+    def event(self, name: str, text: str, **fields: Any) -> m.Event: ...
+
+
+def situation(service: WatchedService, now: float) -> Situation:
     ctrl = service.controller
     held: collections.Counter[str] = collections.Counter()
     for group in ctrl.groups.values():
@@ -97,7 +126,7 @@ def situation(service: Any, now: float) -> Situation:
         groups_per_step=ctrl.groups_per_step, scoring=len(service.scoring))
 
 
-async def watch(service: Any, interval_s: float = 1.0) -> None:
+async def watch(service: WatchedService, interval_s: float = 1.0) -> None:
     """Reclaim expired leases and say stalls, until cancelled."""
     said, said_at = "", 0.0
     while True:

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tools.benches.modelled as modelled_module
+from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
-from tailrace.engine.trainer.learner import LearnerConfig
 from tailrace.protocol.messages import SamplingParams
 from tools.benches.modelled import (
     Completion,
@@ -259,7 +259,7 @@ def _group(group_id: int, lengths: list[int]) -> Group:
 
 
 def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(model):
-    learner = ModelledLearner(tiny_model(), LearnerConfig(micro_batch_tokens=64),
+    learner = ModelledLearner(tiny_model(), TrainConfig(micro_batch_tokens=64, replay="naive"),
                               costs=make_costs(train=LinearCost(0.02, 1e-4)))
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     batch = [_group(0, [2, 5]), _group(1, [9, 1])]
@@ -284,7 +284,7 @@ def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model):
     plus one call over the groups not accumulated: three early calls of one group each cost three fixed
     parts, as on the real learner, against one for a step that runs all four."""
     call, optimizer = MeasuredCost.of([(10, 0.03), (40, 0.033), (80, 0.04), (40, 0.031)]), 0.01
-    learner = ModelledLearner(tiny_model(), LearnerConfig(micro_batch_tokens=64),
+    learner = ModelledLearner(tiny_model(), TrainConfig(micro_batch_tokens=64, replay="naive"),
                               costs=dataclasses.replace(make_costs(), call=call, optimizer_s=optimizer))
     slept = []
     learner._sleep = slept.append

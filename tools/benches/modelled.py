@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from tailrace.engine.cli import parse_args
+from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.generator.interface import torch_backend
 from tailrace.engine.generator.main import main as generator_main
@@ -57,7 +58,7 @@ from tailrace.engine.generator.requests import (
     drain_by_stepping,
 )
 from tailrace.engine.generator.torch_backend.backend import TorchBackend
-from tailrace.engine.trainer.learner import Learner, LearnerConfig, plan_micro_batches
+from tailrace.engine.trainer.learner import Learner, plan_micro_batches
 from tailrace.engine.trainer.main import main as trainer_main
 
 COSTS_FORMAT = 1
@@ -403,7 +404,7 @@ class ModelledLearner(Learner):
     step_count and policy_version, and returns the metrics a real step reports about the batch. The model
     and the optimizer are built as a real learner's (checkpoints save them) but never touched."""
 
-    def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, costs: Costs, **kwargs: Any):
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, *, costs: Costs, **kwargs: Any):
         if (config.ppo_epochs, config.minibatches) != (1, 1):
             raise ValueError("train.ppo_epochs, train.minibatches: modelled compute models one update per step")
         super().__init__(model, config, **kwargs)

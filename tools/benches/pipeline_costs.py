@@ -111,7 +111,6 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[
     from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
     from tailrace.engine.data import tasks
     from tailrace.engine.trainer.learner import Learner
-    from tailrace.engine.trainer.runs import learner_config
     from tools.benches.modelled import train_tokens
 
     by_id = {p.prompt_id: p for p in prompts}
@@ -127,7 +126,7 @@ def measure_train(cfg, tokenizer, prompts, finished, sizes: list[int]) -> tuple[
     all_groups = [Group(group_id=g, samples=s) for g, s in sorted(groups.items())]
     model = models.load_model(cfg.model.path or "tiny", dtype=cfg.model.dtype)
     model.train()
-    learner = Learner(model, learner_config(cfg))
+    learner = Learner(model, cfg.train, lora_config=cfg.model.lora)
     learner.step(all_groups[:1])  # warm-up: optimizer state, allocator
     points, calls, optimizer = [], [], []
     for accumulate in (False, True):

@@ -41,6 +41,9 @@ SCENARIOS = {
              True: dict(prompt_len=256, branching=2, depth=4, segment=24)},
 }
 EFFICIENCY_TARGET = 0.9
+MICRO_BATCH_TOKENS = 8192
+"""train.micro_batch_tokens of the replay and packed steps (replay's batch cap; also scale.py's): fixed here,
+so that the figures do not move with the trainer's default."""
 THREADS = 1
 REPEATS = {False: 2, True: 2}
 """Steps timed per mode (each from the same weights); the fastest counts: noise only ever adds time."""
@@ -177,15 +180,16 @@ def worker(scenario: str, mode: str, quick: bool, out_dir: str) -> None:
 
     import torch
 
-    from tailrace.engine.trainer.learner import STRATEGIES, Learner, LearnerConfig
+    from tailrace.engine.config import TrainConfig
+    from tailrace.engine.trainer.learner import STRATEGIES, Learner
 
     torch.set_num_threads(THREADS)
     base = bench_model()
     groups = scenario_groups(scenario, quick)
     # Naive at its fastest: one sample per forward, so no padding and causal attention kernels (padded
     # micro-batches run masked attention over every pair and are slower on this CPU).
-    config = LearnerConfig(lr=1e-6, replay=mode, max_grad_norm=0.0, log_entropy=False,
-                           micro_batch_tokens=1 if mode == "naive" else LearnerConfig.micro_batch_tokens)
+    config = TrainConfig(lr=1e-6, replay=mode, max_grad_norm=0.0, log_entropy=False,
+                         micro_batch_tokens=1 if mode == "naive" else MICRO_BATCH_TOKENS)
     capture = _Capture(STRATEGIES[mode](config))
     _warm_up(base, capture.inner, groups)
     rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -10,7 +10,8 @@ wall and CPU seconds on one torch thread, peak RSS. The naive baseline cannot ru
 time, so it is estimated in the same run: a second forked process times the naive strategy on ONE sample
 and reports its peak RSS; naive_est_step_s = that time x number of samples; naive_est_memory_mb = the
 activations autograd would hold for the whole step's logical tokens at once (per-token activation bytes
-from the model's shapes), naive_micro_batch_memory_mb = the same for the learner's default micro-batch.
+from the model's shapes), naive_micro_batch_memory_mb = the same for one micro-batch of the replay step's
+train.micro_batch_tokens (tools/benches/replay.MICRO_BATCH_TOKENS).
 --quick: 2 groups of 8 samples of 2048-token prompts (a smoke run, far below 2.1M).
 --ranks N: the same step on 1 rank and on N FSDP2 ranks instead (tools/benches/scale_ranks.py).
 """
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tools.benches.replay import bench_model, prompt_group
+from tools.benches.replay import MICRO_BATCH_TOKENS, bench_model, prompt_group
 
 SIZES = {False: dict(groups=8, group_size=32, prompt_len=8192, median=64),
          True: dict(groups=2, group_size=8, prompt_len=2048, median=64)}
@@ -46,12 +47,14 @@ def _peak_rss_mb() -> float:
 def _replay_worker(quick: bool, out: str) -> None:
     import torch
 
-    from tailrace.engine.trainer.learner import Learner, LearnerConfig
+    from tailrace.engine.config import TrainConfig
+    from tailrace.engine.trainer.learner import Learner
 
     torch.set_num_threads(THREADS)
     model = bench_model()
     groups = scale_groups(quick)
-    learner = Learner(model, LearnerConfig(lr=1e-6, replay="replay", log_entropy=False))
+    learner = Learner(model, TrainConfig(lr=1e-6, replay="replay", log_entropy=False,
+                                         micro_batch_tokens=MICRO_BATCH_TOKENS))
     rss_before = _peak_rss_mb()
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     metrics = learner.step(groups)
@@ -106,7 +109,6 @@ def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
     from tailrace.engine.core.samples import flatten_samples
     from tailrace.engine.replay.forward import activation_bytes_per_token
     from tailrace.engine.replay.trie import build_trie
-    from tailrace.engine.trainer.learner import LearnerConfig
 
     samples = flatten_samples(scale_groups(quick))
     trie = build_trie(samples)
@@ -119,7 +121,7 @@ def run(quick: bool, log: Callable[[str], None], ranks: int = 1) -> dict:
         log(f"naive, one sample of {naive['tokens']} tokens: {naive['cpu_s']:.1f} s CPU, peak RSS "
             f"{naive['peak_rss_mb']:.0f} MB")
     per_token = activation_bytes_per_token(bench_model())
-    micro_batch = LearnerConfig().micro_batch_tokens
+    micro_batch = MICRO_BATCH_TOKENS
     naive_est_s = naive["cpu_s"] * len(samples)
     return {
         "logical_tokens": trie.num_logical_tokens,

@@ -34,16 +34,18 @@ def worker(out: str, groups: list, threads: int) -> None:
     """One rank: the step on `groups`; rank 0 writes the figures to `out` and the gradient to out.grads."""
     import torch
 
+    from tailrace.engine.config import TrainConfig
     from tailrace.engine.trainer import dist
-    from tailrace.engine.trainer.learner import Learner, LearnerConfig
-    from tools.benches.replay import bench_model
+    from tailrace.engine.trainer.learner import Learner
+    from tools.benches.replay import MICRO_BATCH_TOKENS, bench_model
 
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = dist.init_from_env()
     if device == "cuda":
         torch.cuda.set_device(info.local_rank)
-    learner = Learner(bench_model().to(device), LearnerConfig(lr=1e-6, replay="replay", log_entropy=False))
+    config = TrainConfig(lr=1e-6, replay="replay", log_entropy=False, micro_batch_tokens=MICRO_BATCH_TOKENS)
+    learner = Learner(bench_model().to(device), config)
     grads: dict[str, torch.Tensor] = {}
     apply = learner.apply_gradients
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.replay import dpo_loss
@@ -23,7 +24,6 @@ from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.trainer.learner import (
     Learner,
-    LearnerConfig,
     NaiveForwardBackward,
     collate,
     forward_logprobs,
@@ -242,7 +242,7 @@ def test_learner_step_equals_naive_step(replay):
     params = {}
     for mode in ("naive", replay):
         model = copy.deepcopy(base)
-        learner = Learner(model, LearnerConfig(lr=1e-2, replay=mode, max_grad_norm=0.5, micro_batch_tokens=64))
+        learner = Learner(model, TrainConfig(lr=1e-2, replay=mode, max_grad_norm=0.5, micro_batch_tokens=64))
         metrics = learner.step(groups)
         params[mode] = torch.cat([p.detach().flatten() for p in model.parameters()])
         before = torch.cat([p.detach().flatten() for p in base.parameters()])

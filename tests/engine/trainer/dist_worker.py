@@ -82,23 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from tailrace.engine.config import FSDPConfig, LoRAConfig
+    from tailrace.engine.config import FSDPConfig, LoRAConfig, TrainConfig
     from tailrace.engine.trainer import checkpoint, dist
-    from tailrace.engine.trainer.learner import Learner, LearnerConfig
-    from tailrace.engine.trainer.loss import LossConfig
+    from tailrace.engine.trainer.learner import Learner
 
     dist.init_from_env(timeout_s=args.timeout_s)
-    config = LearnerConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
-                           lr_schedule="linear", total_steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
-                           loss=LossConfig(), fsdp=FSDPConfig(collective_timeout_s=args.timeout_s,
-                                                                         mixed_precision=args.mixed_precision,
-                                                                         cpu_offload=args.cpu_offload),
-                           lora=LoRAConfig(r=args.lora, target_modules=("all-linear",)),
-                           gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
-                           minibatches=args.minibatches)
+    config = TrainConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
+                         lr_schedule="linear", steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
+                         fsdp=FSDPConfig(collective_timeout_s=args.timeout_s, mixed_precision=args.mixed_precision,
+                                         cpu_offload=args.cpu_offload),
+                         gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
+                         minibatches=args.minibatches)
+    adapters = LoRAConfig(r=args.lora, target_modules=("all-linear",))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config)
+    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config, lora_config=adapters)
     if args.die_at_step:
         _die_in_step(learner, args.die_at_step)
     if args.resume:

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
+from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import checkpoint
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
+from tailrace.engine.trainer.learner import Learner
 
 torch.set_num_threads(1)
 VOCAB = 64
@@ -45,8 +46,8 @@ def batches(num_steps, seed=0):
 
 def config():
     # Dropout makes every step consume the torch RNG, so a resume that forgot RNG state would diverge.
-    return LearnerConfig(lr=1e-2, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1, total_steps=4,
-                         micro_batch_tokens=24, seed=7)
+    return TrainConfig(lr=1e-2, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1, steps=4,
+                       micro_batch_tokens=24, seed=7, replay="naive")
 
 
 def test_resume_is_exact(tmp_path):
@@ -81,11 +82,11 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_rng_states_round_trip(tmp_path):
-    learner = Learner(tiny_model(0), LearnerConfig())
+    learner = Learner(tiny_model(0), TrainConfig(replay="naive"))
     folder = checkpoint.save(tmp_path, learner, data_position={})
     expected = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     torch.manual_seed(99), np.random.seed(99), random.seed(99)
-    checkpoint.load(folder, Learner(tiny_model(1), LearnerConfig()))
+    checkpoint.load(folder, Learner(tiny_model(1), TrainConfig(replay="naive")))
     # Learner() reseeds; load must bring back the streams as they were at save time.
     got = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1]) and expected[2] == got[2]
@@ -101,7 +102,7 @@ def _tokenizer():
 
 
 def test_checkpoint_loads_with_transformers(tmp_path):
-    learner = Learner(tiny_model(0), LearnerConfig(lr=1e-2))
+    learner = Learner(tiny_model(0), TrainConfig(lr=1e-2, replay="naive"))
     learner.step(batches(1)[0])
     folder = checkpoint.save(tmp_path, learner, data_position={}, tokenizer=_tokenizer())
     assert any(p.suffix == ".safetensors" for p in folder.iterdir())
@@ -120,7 +121,7 @@ def test_checkpoint_loads_with_transformers(tmp_path):
 
 
 def test_atomic_save_keep_last_and_latest(tmp_path):
-    learner = Learner(tiny_model(0), LearnerConfig(lr=1e-2))
+    learner = Learner(tiny_model(0), TrainConfig(lr=1e-2, replay="naive"))
     data = batches(3)
     (tmp_path / ".tmp-step_000009").mkdir()  # a crashed save's leftover is never a checkpoint
     (tmp_path / "step_000008").mkdir()  # nor is a folder without trainer_state.json
@@ -133,7 +134,7 @@ def test_atomic_save_keep_last_and_latest(tmp_path):
     assert not list(tmp_path.glob(".tmp-step_00000[1-3]"))
     # Saving the same step again replaces it whole.
     again = checkpoint.save(tmp_path, learner, data_position={"again": True}, keep_last=2)
-    assert checkpoint.load(again, Learner(tiny_model(1), LearnerConfig()))["data_position"] == {"again": True}
+    assert checkpoint.load(again, Learner(tiny_model(1), TrainConfig(replay="naive")))["data_position"] == {"again": True}
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / "step_000008", learner)
     with pytest.raises(ValueError, match="keep_last"):

@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tailrace.engine.config import DataConfig, load_config
+from tailrace.engine.config import DataConfig, TrainConfig, load_config
 from tailrace.engine.core import models
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
 from tailrace.engine.trainer.dpo_loop import DPOLearner, DPOTrainer, pair_samples
-from tailrace.engine.trainer.learner import LearnerConfig, sample_logprobs
+from tailrace.engine.trainer.learner import sample_logprobs
 from tests.engine.replay.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -111,7 +111,7 @@ def test_learner_gradient_equals_naive_dpo_gradient(replay):
     pairs.append(PreferencePair(3, pairs[0].prompt_ids, [1, 2], [1, 3]))  # shares a prompt with pair 0
     ref = tiny_model("llama", seed=1)  # a reference unlike the policy, so that its log-probs matter
     model = copy.deepcopy(cached_model("llama"))
-    learner = DPOLearner(model, LearnerConfig(replay=replay, micro_batch_tokens=64), beta=0.5, ref_model=ref)
+    learner = DPOLearner(model, TrainConfig(replay=replay, micro_batch_tokens=64, dpo_beta=0.5), ref_model=ref)
     samples, stats = learner.backward(pairs)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     ref_S = torch.stack([lp.sum() for lp in sample_logprobs(ref, samples, micro_batch_tokens=4096, chunk_rows=7)])
@@ -123,7 +123,7 @@ def test_learner_gradient_equals_naive_dpo_gradient(replay):
 
 def test_policy_equal_to_reference_has_zero_margin():
     samples_model = cached_model("llama")
-    learner = DPOLearner(copy.deepcopy(samples_model), LearnerConfig(replay="replay"), beta=0.1)
+    learner = DPOLearner(copy.deepcopy(samples_model), TrainConfig(replay="replay", dpo_beta=0.1))
     metrics = learner.step([PreferencePair(0, [1, 2, 3], [4, 5], [6])])
     assert metrics["trainer/dpo/reward_margin"] == pytest.approx(0.0, abs=1e-12)
     assert metrics["trainer/dpo/loss"] == pytest.approx(0.6931471805599453, rel=1e-9)  # log 2

@@ -10,15 +10,15 @@ import copy
 import pytest
 import torch
 
-from tailrace.engine.config import FSDPConfig
+from tailrace.engine.config import FSDPConfig, TrainConfig
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.replay.packed import PackedForwardBackward
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import dist
-from tailrace.engine.trainer.learner import Learner, LearnerConfig, NaiveForwardBackward
+from tailrace.engine.trainer.learner import Learner, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
 from tests.engine.replay.test_replay import group_samples, make_samples, rel_err, tiny_model
-from tests.engine.trainer.test_ppo import LOSS, make_groups
+from tests.engine.trainer.test_ppo import LOSS_SETTINGS, make_groups
 
 STRATEGIES = {"naive": lambda: NaiveForwardBackward(4096, 5), "replay": lambda: ReplayForwardBackward(5),
               "packed": lambda: PackedForwardBackward(4096, 5)}
@@ -78,8 +78,8 @@ def test_learner_step_with_checkpointing_and_ppo_epochs_is_the_same(replay):
     params = []
     for checkpointing in (False, True):
         model = copy.deepcopy(base)
-        config = LearnerConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, micro_batch_tokens=64,
-                               loss=LOSS, gradient_checkpointing=checkpointing)
+        config = TrainConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, micro_batch_tokens=64,
+                             gradient_checkpointing=checkpointing, **LOSS_SETTINGS)
         Learner(model, config).step(make_groups())
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     before = torch.cat([p.detach().flatten() for p in base.parameters()])

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import (
     Learner,
-    LearnerConfig,
     LRSchedule,
     NaiveForwardBackward,
     plan_micro_batches,
@@ -132,8 +132,8 @@ def test_step_improves_the_objective_on_a_fixed_batch():
     # On-policy data: behaviour log-probs from the model itself, so w = 1 at the first step.
     for s, lp in zip(samples, sample_logprobs(model, samples, micro_batch_tokens=256, chunk_rows=64), strict=True):
         s.behaviour_logprobs = lp
-    learner = Learner(model, LearnerConfig(lr=3e-3, micro_batch_tokens=40))
-    assign_advantages(groups, learner.config.loss)
+    learner = Learner(model, TrainConfig(lr=3e-3, micro_batch_tokens=40, replay="naive"))
+    assign_advantages(groups, learner.loss)
     before = _surrogate(model, samples)
     metrics = {}
     for _ in range(3):
@@ -150,11 +150,11 @@ def test_step_improves_the_objective_on_a_fixed_batch():
 
 def test_kl_to_reference_and_validation():
     model = tiny_model()
-    with pytest.raises(ValueError, match="kl_coef"):
-        Learner(model, LearnerConfig(loss=LossConfig(kl_coef=0.1)))
-    with pytest.raises(ValueError, match="replay"):
-        Learner(model, LearnerConfig(replay="nope"))
-    learner = Learner(model, LearnerConfig(lr=1e-2, loss=LossConfig(kl_coef=0.5)), ref_model=copy.deepcopy(model))
+    with pytest.raises(ValueError, match="train.kl_coef"):
+        Learner(model, TrainConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="train.replay"):
+        TrainConfig(replay="nope")
+    learner = Learner(model, TrainConfig(lr=1e-2, kl_coef=0.5, replay="naive"), ref_model=copy.deepcopy(model))
     groups = make_groups(4)
     first = learner.step(groups)
     assert first["trainer/policy/kl_ref"] == pytest.approx(0.0, abs=1e-12)
@@ -170,7 +170,7 @@ def test_non_finite_gradient_skips_the_update():
             p.grad = torch.full_like(p, float("nan"))
         return {}
 
-    learner = Learner(model, LearnerConfig(lr=1e-2), forward_backward=poisoned)
+    learner = Learner(model, TrainConfig(lr=1e-2, replay="naive"), forward_backward=poisoned)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     metrics = learner.step(make_groups(5))
     assert metrics["trainer/grad/skipped"] == 1.0
@@ -180,7 +180,7 @@ def test_non_finite_gradient_skips_the_update():
 
 def test_broadcast_snapshot_is_a_frozen_copy():
     model = tiny_model()  # Qwen2 config ties embedding and LM head
-    learner = Learner(model, LearnerConfig(lr=1e-2))
+    learner = Learner(model, TrainConfig(lr=1e-2, replay="naive"))
     snapshot = learner.state_dict_for_broadcast()
     frozen = {k: v.clone() for k, v in snapshot.items()}
     learner.step(make_groups(6))
@@ -198,11 +198,32 @@ def test_lr_schedules():
     linear = LRSchedule("linear", warmup_steps=0, total_steps=4, min_lr_ratio=0.0)
     assert [linear(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert LRSchedule("constant", 0, 0, 0.0)(10) == 1.0
-    with pytest.raises(ValueError, match="total_steps"):
-        LearnerConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5)
-    learner = Learner(tiny_model(), LearnerConfig(lr=1e-3, lr_schedule="linear", total_steps=4))
+    with pytest.raises(ValueError, match="train.steps: cosine decay needs train.steps > train.warmup_steps"):
+        TrainConfig(lr_schedule="cosine", warmup_steps=5, steps=5)
+    learner = Learner(tiny_model(), TrainConfig(lr=1e-3, lr_schedule="linear", steps=4, replay="naive"))
     lrs = [learner.step(make_groups(7, num_groups=1))["trainer/lr"] for _ in range(3)]
     assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4])
+
+
+def test_the_learner_takes_every_setting_from_the_train_section():
+    """TrainConfig is the learner's one source: each optimizer, schedule, loss and strategy setting set to
+    a value other than its default reaches what the learner built."""
+    train = TrainConfig(lr=2e-3, betas=(0.8, 0.95), adam_eps=1e-6, weight_decay=0.05, lr_schedule="cosine",
+                        warmup_steps=1, steps=3, min_lr_ratio=0.25, clip_eps_low=0.1, clip_eps_high=0.3, is_cap=3.0,
+                        loss_agg="sample_mean", adv_norm_std=False, micro_batch_tokens=48, logprob_chunk_tokens=5,
+                        log_entropy=False, replay="naive", seed=11)
+    torch.manual_seed(0)
+    learner = Learner(tiny_model(), train)
+    assert torch.initial_seed() == 11
+    decay, no_decay = learner.optimizer.param_groups
+    assert (decay["betas"], decay["eps"], decay["weight_decay"], no_decay["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.05, 0.0)
+    assert learner.loss == LossConfig(clip_eps_low=0.1, clip_eps_high=0.3, is_cap=3.0, aggregation="sample_mean",
+                                      scale_advantages=False)
+    strategy = learner.forward_backward
+    assert (strategy.micro_batch_tokens, strategy.logprob_chunk_tokens, strategy.log_entropy) == (48, 5, False)
+    metrics = [learner.step(make_groups(8, num_groups=1)) for _ in range(3)]
+    assert [m["trainer/lr"] for m in metrics] == pytest.approx([2e-3, 2e-3, 2e-3 * (0.25 + 0.75 * 0.5)])
+    assert not any("entropy" in key for key in metrics[0])
 
 
 def test_dist_helpers_at_world_size_one():

@@ -15,15 +15,14 @@ import copy
 import pytest
 import torch
 
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
-from tailrace.engine.trainer.loss import LossConfig
+from tailrace.engine.config import TrainConfig
+from tailrace.engine.trainer.learner import Learner
 from tests.engine.trainer.test_learner import make_groups, tiny_model
 
 
 def _learner(model, aggregation: str, replay: str) -> Learner:
     # SGD-like AdamW settings do not matter: the grad norm before clipping is compared, and the weights after.
-    cfg = LearnerConfig(lr=1e-2, max_grad_norm=0.0, replay=replay,
-                        loss=LossConfig(aggregation=aggregation, is_cap=50.0))
+    cfg = TrainConfig(lr=1e-2, max_grad_norm=0.0, replay=replay, loss_agg=aggregation, is_cap=50.0)
     return Learner(copy.deepcopy(model), cfg)
 
 

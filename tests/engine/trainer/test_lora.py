@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tailrace.engine.config import LoRAConfig, load_config
+from tailrace.engine.config import LoRAConfig, TrainConfig, load_config
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.replay.packed import PackedForwardBackward
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import checkpoint, lora
-from tailrace.engine.trainer.learner import Learner, LearnerConfig, NaiveForwardBackward
+from tailrace.engine.trainer.learner import Learner, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
 from tests.engine.replay.test_replay import group_samples, ppo_loss, rel_err, tiny_model
 from tests.engine.trainer.test_checkpoint import batches
@@ -78,7 +78,8 @@ def test_naive_reference_is_the_per_sample_gradient():
 def test_only_adapters_train_and_generators_get_the_peft_models_logits():
     model = tied_model(0).double()
     base = copy.deepcopy(model)
-    learner = Learner(model, LearnerConfig(lr=5e-2, seed=3, lora=LoRAConfig(r=4, target_modules=ALL)))
+    learner = Learner(model, TrainConfig(lr=5e-2, seed=3, replay="naive"),
+                      lora_config=LoRAConfig(r=4, target_modules=ALL))
     adapter_ids = {id(p) for n, p in model.named_parameters() if "lora_" in n}
     assert {id(p) for g in learner.optimizer.param_groups for p in g["params"]} == adapter_ids
     trainable, total = lora.parameter_counts(model)
@@ -103,13 +104,14 @@ def test_only_adapters_train_and_generators_get_the_peft_models_logits():
 
 
 def test_checkpoint_has_adapter_and_merged_model_and_resumes_exactly(tmp_path):
-    cfg = LearnerConfig(lr=1e-2, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1, total_steps=4,
-                        micro_batch_tokens=24, seed=7, replay="replay", lora=LoRAConfig(r=2, alpha=4.0))
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1, steps=4,
+                      micro_batch_tokens=24, seed=7, replay="replay")
+    adapters = LoRAConfig(r=2, alpha=4.0)
     data = batches(4)
-    straight = Learner(tied_model(0), cfg)
+    straight = Learner(tied_model(0), cfg, lora_config=adapters)
     for batch in data:
         straight.step(batch)
-    first = Learner(tied_model(0), cfg)
+    first = Learner(tied_model(0), cfg, lora_config=adapters)
     for batch in data[:2]:
         first.step(batch)
     folder = checkpoint.save(tmp_path, first, data_position={})
@@ -124,7 +126,7 @@ def test_checkpoint_has_adapter_and_merged_model_and_resumes_exactly(tmp_path):
     assert float((merged - want).abs().max()) <= 1e-5 and float((adapter - want).abs().max()) <= 1e-6
 
     torch.manual_seed(1234)  # a fresh process: other adapter init, fresh optimizer
-    resumed = Learner(tied_model(0), cfg)
+    resumed = Learner(tied_model(0), cfg, lora_config=adapters)
     checkpoint.load(folder, resumed)
     for (name, a), b in zip(first.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -171,7 +173,7 @@ def test_dpo_reference_is_the_base_model_and_only_adapters_move():
 
     model = tiny_model("llama")
     base = copy.deepcopy(model)
-    learner = DPOLearner(model, LearnerConfig(lr=1e-2, replay="replay", lora=LoRAConfig(r=2)), beta=0.1)
+    learner = DPOLearner(model, TrainConfig(lr=1e-2, replay="replay", dpo_beta=0.1), lora_config=LoRAConfig(r=2))
     assert not any("lora_" in n for n, _ in learner.ref_model.named_parameters())
     metrics = learner.step([PreferencePair(0, [1, 2, 3], [4, 5], [6]), PreferencePair(1, [1, 2], [7], [3, 3])])
     assert metrics["trainer/dpo/reward_margin"] == pytest.approx(0.0, abs=1e-12)  # B = 0: policy == base

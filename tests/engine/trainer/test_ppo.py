@@ -15,11 +15,12 @@ from tailrace.engine.config import TrainConfig, load_config
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.core.samples import Group
 from tailrace.engine.trainer import ppo
-from tailrace.engine.trainer.learner import Learner, LearnerConfig
-from tailrace.engine.trainer.loss import LossConfig, group_advantages, policy_loss
+from tailrace.engine.trainer.learner import Learner
+from tailrace.engine.trainer.loss import group_advantages, loss_config, policy_loss
 from tests.engine.replay.test_replay import group_samples, rel_err, tiny_model
 
-LOSS = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0)
+LOSS_SETTINGS = dict(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0)  # train.*
+LOSS = loss_config(TrainConfig(**LOSS_SETTINGS))  # what the learner makes of them, for the references
 
 
 def make_groups(num_groups=3):
@@ -78,9 +79,9 @@ def test_epochs_and_minibatches_equal_the_naive_algorithm_float64(replay):
     kwargs = dict(lr=3e-2, epochs=2, minibatches=2, max_grad_norm=1.0, weight_decay=0.01, loss=LOSS)
     expected = naive_ppo_step(copy.deepcopy(base), make_groups(), **kwargs)
     model = copy.deepcopy(base)
-    learner = Learner(model, LearnerConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, max_grad_norm=1.0,
-                                           weight_decay=0.01, micro_batch_tokens=64, logprob_chunk_tokens=5,
-                                           loss=LOSS))
+    learner = Learner(model, TrainConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, max_grad_norm=1.0,
+                                         weight_decay=0.01, betas=(0.9, 0.999), micro_batch_tokens=64,
+                                         logprob_chunk_tokens=5, **LOSS_SETTINGS))
     metrics = learner.step(make_groups())
     got = torch.cat([p.detach().flatten() for p in model.parameters()])
     before = torch.cat([p.detach().flatten() for p in base.parameters()])
@@ -93,12 +94,12 @@ def test_epochs_and_minibatches_equal_the_naive_algorithm_float64(replay):
 
 def test_clip_acts_in_epoch_two_and_never_with_one_pass():
     base = tiny_model("llama")
-    one = Learner(copy.deepcopy(base), LearnerConfig(lr=5e-2, replay="replay", loss=LOSS)).step(make_groups())
+    one = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", **LOSS_SETTINGS)).step(make_groups())
     assert one["trainer/policy/clip_frac"] == 0.0
     assert one["trainer/policy/ratio_mean"] == 1.0 and one["trainer/policy/ratio_std"] == 0.0
     assert not any(k.startswith("trainer/ppo/epoch") for k in one)
 
-    learner = Learner(copy.deepcopy(base), LearnerConfig(lr=5e-2, replay="replay", ppo_epochs=2, loss=LOSS))
+    learner = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", ppo_epochs=2, **LOSS_SETTINGS))
 
     def no_extra_forward(samples):
         raise AssertionError("one part: the proximal log-probs are recorded in epoch 1, no extra forward")
@@ -116,9 +117,9 @@ def test_clip_acts_in_epoch_two_and_never_with_one_pass():
 def test_a_step_is_one_version_and_counts_each_sample_once():
     groups = make_groups()
     samples = [s for g in groups for s in g.samples]
-    learner = Learner(tiny_model("llama"), LearnerConfig(lr=1e-3, replay="packed", ppo_epochs=3, minibatches=2,
-                                                         loss=LOSS))
-    once = Learner(tiny_model("llama"), LearnerConfig(lr=1e-3, replay="packed", loss=LOSS)).step(make_groups())
+    learner = Learner(tiny_model("llama"), TrainConfig(lr=1e-3, replay="packed", ppo_epochs=3, minibatches=2,
+                                                       **LOSS_SETTINGS))
+    once = Learner(tiny_model("llama"), TrainConfig(lr=1e-3, replay="packed", **LOSS_SETTINGS)).step(make_groups())
     metrics = learner.step(groups)
     assert (learner.step_count, learner.policy_version) == (1, 1)
     assert metrics["trainer/policy_version"] == 1.0 and metrics["trainer/ppo/updates"] == 6.0
@@ -145,8 +146,6 @@ def test_settings_are_validated():
         TrainConfig(ppo_epochs=0)
     with pytest.raises(ValueError, match="train.ppo_epochs: dpo"):
         TrainConfig(algorithm="dpo", replay="replay", ppo_epochs=2)
-    with pytest.raises(ValueError, match="ppo_epochs"):
-        LearnerConfig(ppo_epochs=0)
     with pytest.raises(ValueError, match="renamed: set train.gradient_checkpointing"):
         load_config(overrides=["--train.fsdp.activation_checkpointing", "true"])
 
@@ -155,4 +154,4 @@ def test_dpo_learner_rejects_several_updates():
     from tailrace.engine.trainer.dpo_loop import DPOLearner
 
     with pytest.raises(ValueError, match="ppo_epochs"):
-        DPOLearner(tiny_model("llama"), LearnerConfig(replay="replay", ppo_epochs=2), beta=0.1)
+        DPOLearner(tiny_model("llama"), TrainConfig(replay="replay", ppo_epochs=2))
