@@ -106,3 +106,19 @@ def test_the_from_scratch_tokenizer_recipe_builds_what_tailrace_loads(tmp_path, 
     assert text == "<bos>system: answer with a number.\nuser: 2+3?\nassistant: "
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids) == text
     assert max(ids) < model.get_input_embeddings().num_embeddings
+
+
+def test_docstrings_name_test_files_that_exist():
+    """Every `Test: pytest PATH` / `Run: pytest PATH` line of a module docstring names a file that exists
+    (moved tests left such lines stale)."""
+    stale = []
+    for folder in ("engine", "kernels", "protocol", "tools", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if ".venv" in path.parts:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                for match in re.finditer(r"(?:Test|Run): (?:python -m )?pytest ([^\n]*)", line):
+                    for name in re.findall(r"tests/[\w/]+(?:\.py)?", match.group(1)):
+                        if not (ROOT / name).exists():
+                            stale.append(f"{path.relative_to(ROOT)}:{number}: {name}")
+    assert stale == []

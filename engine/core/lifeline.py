@@ -11,7 +11,7 @@ SIGTERM is what each role already stops on: the trainer finishes its step, check
 summary.json, whose stop_reason (stop_reason below) then says that the launcher died; a generator or a
 reward server holds nothing of the run's state and exits at once.
 
-Test: pytest tests/engine/test_lifeline.py
+Test: pytest tests/engine/core/test_lifeline.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the next owner). `tailrace run` hands the descriptor to its children (Popen pass
 file, so the folder stays owned while any process of the run lives, also after the launcher died; a
 trainer started by hand takes the lock itself. The file holds JSON: pid, host, bind, address, started.
 
-No torch import here. Test: pytest tests/engine/test_run_lock.py
+No torch import here. Test: pytest tests/engine/core/test_run_lock.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ advantage zero, so it teaches the policy nothing (TRL logs the share of such gro
                             ... as many), returns the warning the trainer says on its log, as Event
                             "no_signal" on the notice socket and under `tailrace run`'s progress bar
 
-Pure (no torch). Test: pytest tests/engine/test_reward_signal.py
+Pure (no torch). Test: pytest tests/engine/trainer/test_reward_signal.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the step's groups in turn (each group's first sample, then each group's second, 
 lines show different prompts. The completion is decoded with the run's tokenizer as the reward saw it
 (special tokens skipped); the prompt is the text the reward got (a conversation: the rendered template).
 After a resume the lines of steps past the checkpoint are dropped, as metrics.jsonl's are.
-Test: pytest tests/engine/test_sample_log.py
+Test: pytest tests/engine/trainer/test_sample_log.py
 """
 
 from __future__ import annotations

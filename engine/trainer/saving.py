@@ -15,7 +15,7 @@ names the failure):
 Each failure is one line on stderr ("tailrace trainer: cannot write PATH: [Errno 28] No space left on
 device; ..." with what became of the run), Event "write_failed" on the notice socket (`tailrace run` prints
 it on its own stderr), the peers' Shutdown reason and summary.json's stop_reason (when it can be written).
-Operators: docs/operating-disk.md. Test: pytest tests/engine/test_disk_errors.py
+Operators: docs/operating.md, "A full disk (or any failed write)". Test: pytest tests/engine/trainer/test_disk_errors.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The figures a GRPO step logs about its batch, beside the learner's own: reward, the share of groups
 without signal, completion lengths, staleness and batch size, under trainer/<group>/<name>. Pure (no
-torch). Test: pytest tests/engine/test_reward_signal.py
+torch). Test: pytest tests/engine/trainer/test_reward_signal.py
 """
 
 from __future__ import annotations

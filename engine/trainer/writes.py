@@ -6,7 +6,7 @@
                     CheckpointException (a BaseException holding each rank's error)
     say(line)       the line on stderr, which the operator sees, once, flushed
 
-What the trainer does with them: engine/trainer/saving.py. Test: pytest tests/engine/test_disk_errors.py
+What the trainer does with them: engine/trainer/saving.py. Test: pytest tests/engine/trainer/test_disk_errors.py
 """
 
 from __future__ import annotations

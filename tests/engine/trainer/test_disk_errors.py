@@ -2,7 +2,7 @@
 checkpoint leaves no .tmp-step_N and is named in one line; the trainer skips one, stops resumably on the
 second in a row, and stops at once when metrics cannot be written; its peers hear the real reason and
 summary.json is written. A real full disk (a tmpfs) with real processes: tests/faults/test_operator_faults.py.
-Run: pytest tests/engine/test_disk_errors.py
+Run: pytest tests/engine/trainer/test_disk_errors.py
 """
 
 import asyncio

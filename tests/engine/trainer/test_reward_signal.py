@@ -2,7 +2,7 @@
 (engine/trainer/step_metrics.py): the share of groups whose samples all got one reward, the warning after
 metrics.no_signal_warn_steps such steps with the cause it names, completion lengths.
 The warning in a real run (README's Python API case): tests/engine/test_api.py.
-Run: pytest tests/engine/test_reward_signal.py
+Run: pytest tests/engine/trainer/test_reward_signal.py
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """runs/<name>/samples.jsonl and `tailrace samples` (engine/trainer/sample_log.py): which samples of a step
 are written (spread over its groups, bounded), what a line holds, and how the command prints and selects
-them. A real run writes it in tests/engine/test_end_to_end.py. Run: pytest tests/engine/test_sample_log.py
+them. A real run writes it in tests/engine/test_end_to_end.py. Run: pytest tests/engine/trainer/test_sample_log.py
 """
 
 import json
