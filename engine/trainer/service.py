@@ -39,6 +39,7 @@ from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
+from tailrace.engine.trainer.broadcaster import Broadcaster
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.evaluation import Evaluator
@@ -130,6 +131,7 @@ class TrainerService:
         self.last_generator_stats: dict[str, m.Stats] = {}  # kept after the generator leaves
         self.changed = asyncio.Event()
         self.publishing: asyncio.Task | None = None  # publish.begin of the newest version, in the background
+        self.broadcaster: Broadcaster | None = None  # weights by broadcast, when trainer.weights_transport allows
         self.stop_requested = False
         self.stop_reason = ""
         self.server: Any = None
@@ -177,7 +179,11 @@ class TrainerService:
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
             weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
-            self.store.publish("policy", self.learner.policy_version, weights)
+            notice = self.store.publish("policy", self.learner.policy_version, weights)
+            if cfg.weights_transport == "auto" and not cfg.curve_secret_key_file:
+                self.broadcaster = Broadcaster(self.server, self.counters, bucket_bytes=cfg.weights_bucket_bytes,
+                                               timeout_s=cfg.weights_broadcast_timeout_s, device=self.cfg.model.device)
+                self.broadcaster.offer(self.learner.policy_version, weights, notice)
             endpoint = self.run_dir / "endpoint.json"  # renamed into place: `tailrace run` reads it at once
             endpoint.with_suffix(".tmp").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
@@ -191,15 +197,26 @@ class TrainerService:
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
             probe = asyncio.create_task(loop_probe.watch(self.counters), name="loop-probe")
+            tasks = [net, stats, watchdog, probe]
+            net.add_done_callback(self.task_ended)  # a bug in a handler must stop the run, not silence it
+            if self.broadcaster is not None:
+                tasks.append(asyncio.create_task(self.broadcaster.run(), name="broadcast"))
+                tasks[-1].add_done_callback(self.task_ended)
             try:
                 await self.train_loop()
             finally:
                 await self.shutdown_peers()
-                for task in (net, stats, watchdog, probe, *self.scoring):
+                for task in (*tasks, *self.scoring):
                     task.cancel()
-                await asyncio.gather(net, stats, watchdog, probe, *self.scoring, return_exceptions=True)
+                await asyncio.gather(*tasks, *self.scoring, return_exceptions=True)
                 summary = self.finish()
         return summary
+
+    def task_ended(self, task: asyncio.Task) -> None:
+        """A background task that must run for the whole run ended early: its error stops the run."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed: %r", task.get_name(), task.exception())
+            self.request_stop(f"task {task.get_name()} failed: {task.exception()!r}")
 
     def accept(self, hello: m.Hello) -> m.Reject | None:
         if hello.role == "generator":
@@ -303,9 +320,15 @@ class TrainerService:
                                                  peer=peer.name, role=peer.role))
             for model in ("policy", "drafter"):
                 latest = self.store.latest(model)
-                if peer.role == "generator" and latest is not None and latest.version > 0:
+                by_broadcast = model == "policy" and self.broadcaster is not None and \
+                    self.broadcaster.can_join(peer.peer)
+                if peer.role == "generator" and latest is not None and latest.version > 0 and not by_broadcast:
                     await self.server.send(peer.id, latest)
+            if self.broadcaster is not None and peer.role == "generator":
+                self.broadcaster.membership_changed(peer)  # a newcomer gets the latest version by broadcast
             return
+        if self.broadcaster is not None and peer.role == "generator":
+            self.broadcaster.membership_changed(peer)
         self.parked.pop(peer.id, None)
         self.drafters.forget_fetch_from(peer.id)  # its drafter left with it; the next announcement starts over
         self.peer_stats.pop(peer.name, None)
@@ -432,6 +455,11 @@ class TrainerService:
     async def on_weights_chunk(self, peer: Any, msg: m.WeightsChunk) -> None:
         await self.drafters.on_chunk(peer, msg)
 
+    async def on_weights_ack(self, peer: Any, msg: m.WeightsAck) -> None:
+        if peer.role != "generator" or self.broadcaster is None:
+            return await self.reply_error(peer, msg, m.ErrorCode.UNSUPPORTED, "no weights broadcast to acknowledge")
+        self.broadcaster.on_ack(peer, msg)
+
     async def on_peer_error(self, peer: Any, msg: m.Error) -> None:
         """Counted and logged (the 1st, 2nd, 4th, ... of each code); the session goes on. An Error names no
         request, so a ScoreRequest it refers to is settled by its timeout (protocol/SPEC.md)."""
@@ -468,6 +496,7 @@ class TrainerService:
         m.WeightsFetch: on_weights_fetch,
         m.WeightsNotice: on_weights_notice,
         m.WeightsChunk: on_weights_chunk,
+        m.WeightsAck: on_weights_ack,
         m.Stats: on_stats,
         m.Event: on_event,
         m.Spans: on_spans,
@@ -574,6 +603,11 @@ class TrainerService:
                                         "wall_s": st.counters.get("generator/time/wall_s", 0.0),
                                         "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
+            "weights_by_generator": {name: {k: st.counters.get(f"generator/weights/{k}", 0.0)
+                                            for k in ("by_broadcast", "by_chunks", "broadcast_failed")}
+                                     for name, st in self.last_generator_stats.items()},
+            "weights_broadcast": {k.removeprefix("trainer/weights/"): v for k, v in self.counters.items()
+                                  if k.startswith("trainer/weights/")},
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
             "eval": self.evaluator.summary(),

@@ -33,6 +33,8 @@ from tailrace.protocol.messages import (
 )
 from tailrace.protocol.schema import MESSAGE_CLASSES
 
+TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
+
 # Tensors decoded from bytes frames view immutable memory; torch says so once. Expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -300,23 +302,23 @@ def test_error_carries_the_field_path():
 
 
 @pytest.mark.parametrize("frames, code, where", [
-    ([b"TR\x02"], ErrorCode.BAD_FRAME, "message has 1 frames"),
-    ([b"TR\x02", b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
-    ([b"TR\x02\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([TRV], ErrorCode.BAD_FRAME, "message has 1 frames"),
+    ([TRV, b"\x90"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
+    ([TRV + b"\x3c\x00", b"\x91\x01"], ErrorCode.BAD_FRAME, "header: expected 4 bytes"),
     ([b"", b"\x91\x01"], ErrorCode.BAD_FRAME, "header"),
     ([b"XX\x02\x3c", b"\x91\x01"], ErrorCode.BAD_FRAME, "starting with b'TR'"),
-    ([b"TR\x03\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 3"),
+    ([b"TR\x09\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 9"),
     ([b"TR\x00\x3c", b"\x91\x01"], ErrorCode.VERSION_MISMATCH, "protocol version 0"),
-    ([b"TR\x02\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
-    ([b"TR\x02\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
-    ([b"TR\x02\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
-    ([b"TR\x02\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
-    ([b"TR\x02\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
-    ([b"TR\x02\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
-    ([b"TR\x02\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
+    ([TRV + b"\xff", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 255"),
+    ([TRV + b"\x00", b"\x91\x01"], ErrorCode.UNKNOWN_KIND, "unknown message kind 0"),
+    ([TRV + b"\x3c", b"\xc1"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TRV + b"\x3c", b"\x91"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TRV + b"\x3c", b"\x91\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TRV + b"\x3c", b"\x91\xa2\xff\xfe"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid MessagePack"),
+    ([TRV + b"\x3c", b"\x91" * 5000 + b"\x01"], ErrorCode.BAD_FIELD, "Heartbeat"),
+    ([TRV + b"\x3c", b"\x91\xdd\xff\xff\xff\xff"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),
+    ([TRV + b"\x3c", b"\x81\x01\x01"], ErrorCode.BAD_FIELD, "Heartbeat: body is not valid"),  # int map key
+    ([TRV + b"\x3c", b"\x91\x01", b"extra"], ErrorCode.BAD_FRAME, "Heartbeat: 1 tensor frames but the message has no"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_frames(frames, code, where):
     expect(frames, code, where)
@@ -366,9 +368,9 @@ def test_size_limits():
 
 
 def test_peek_header_reads_only_frame_zero():
-    assert peek_header(b"TR\x02\x14") == (2, 20)
+    assert peek_header(TRV + b"\x14") == (PROTOCOL_VERSION, 20)
     assert peek_header(zmq.Frame(b"TR\x07\xff")) == (7, 255)  # any version and kind: the caller decides
-    for bad in (b"TR\x02", b"tr\x02\x14", b"TR\x02\x14\x00"):
+    for bad in (TRV, b"tr\x02\x14", TRV + b"\x14\x00"):
         with pytest.raises(ProtocolError) as info:
             peek_header(bad)
         assert info.value.code == ErrorCode.BAD_FRAME

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 # ------------------------------------------------------------- the reward server, from SPEC.md only
 
-HEADER = b"TR\x02"  # Frames: "TR", protocol version 2, then the kind byte
+HEADER = b"TR\x03"  # Frames: "TR", protocol version 3, then the kind byte
 KINDS = {"Hello": 1, "Welcome": 2, "Reject": 3, "ScoreRequest": 30, "Score": 31, "ScoreError": 32,
          "Heartbeat": 60, "Shutdown": 61, "Error": 62, "Credit": 63}
 
@@ -71,7 +71,7 @@ class SpecRewardServer(threading.Thread):
         return frames[0][3], msgpack.unpackb(frames[1], raw=False)
 
     def serve(self, sock):
-        self.send(sock, "Hello", ["reward", self.name, 2, "spec-1.0", self.tasks, self.max_inflight])
+        self.send(sock, "Hello", ["reward", self.name, 3, "spec-1.0", self.tasks, self.max_inflight])
         if not sock.poll(5000):
             raise AssertionError("no answer to Hello")
         kind, body = self.receive(sock)

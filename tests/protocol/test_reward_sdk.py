@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from tailrace.protocol import codec
-from tailrace.protocol.messages import ErrorCode, Hello, Score, ScoreError, ScoreRequest, Welcome
+from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode, Hello, Score, ScoreError, ScoreRequest, Welcome
 from tailrace.protocol.reward_sdk import RewardRouter, RewardUnavailable, ScoreFailed, serve, to_reply
 from tailrace.protocol.transport import Server
 
@@ -255,7 +255,7 @@ async def test_router_local_timeout_holds_the_slot_until_a_late_reply(trainer):
     silent.setsockopt(zmq.LINGER, 0)
     silent.connect(server.address)
     try:
-        await silent.send_multipart(codec.encode(Hello(role="reward", name="silent", protocol_version=2,
+        await silent.send_multipart(codec.encode(Hello(role="reward", name="silent", protocol_version=PROTOCOL_VERSION,
                                                        package_version="t", tasks=["*"], max_inflight=1)))
         assert isinstance(codec.decode(await asyncio.wait_for(silent.recv_multipart(), WAIT_S)), Welcome)
         with pytest.raises(ScoreFailed, match="no reply within 0.1 s") as info:

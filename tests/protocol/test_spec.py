@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from tailrace.protocol.codec import decode, encode
-from tailrace.protocol.messages import Credit, ErrorCode, Heartbeat, Hello, Score, ScoreRequest
+from tailrace.protocol.messages import PROTOCOL_VERSION, Credit, ErrorCode, Heartbeat, Hello, Score, ScoreRequest
 from tailrace.protocol.schema import (
     DTYPES,
     INT64_MAX,
@@ -36,7 +36,7 @@ SPEC = Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md"
 WORKED_REQUEST = ScoreRequest(request_id=77, task="copy", prompt="copy: abc\n", completion="abc",
                               metadata={"answer": "abc"}, timeout_s=10.0)
 WORKED_REPLY = Score(request_id=77, reward=1.0, details={"exact": 1.0})
-REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=2, package_version="1.0", tasks=["math"],
+REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=PROTOCOL_VERSION, package_version="1.0", tasks=["math"],
                      max_inflight=4, capabilities={})
 
 
@@ -156,6 +156,9 @@ def table_rows(cls: type) -> list[list[str]]:
 CROSS_FIELD_CHECKS = {
     "Rollout": "Also required (else 401): `behaviour_logprobs` and `policy_versions` have as many elements as "
                "`completion_token_ids`, and `min_policy_version` <= `max_policy_version`.",
+    "WeightsNotice": "Also required (else 401) when `transport` is \"broadcast\": `broadcast_store`, "
+                     "`broadcast_group` and `broadcast_backend` are not empty, 1 <= `broadcast_rank` < "
+                     "`broadcast_world_size`, `broadcast_bucket_bytes` >= 1 and `broadcast_timeout_s` > 0.",
 }
 """What each class's __post_init__ checks, in words; every class with a __post_init__ needs an entry."""
 
@@ -234,7 +237,7 @@ def spec_text() -> str:
 
 def test_spec_has_its_title_and_sections():
     text = spec_text()
-    assert text.startswith("# tailrace wire protocol, version 2\n")
+    assert text.startswith(f"# tailrace wire protocol, version {PROTOCOL_VERSION}\n")
     for title in ("Frames", "Types", "Messages", "Error codes", "Worked example"):
         section(text, title)
 
@@ -292,7 +295,7 @@ def test_reward_server_section_bytes_are_what_the_codec_produces():
     assert said and (int(said[1]), said[2]) == (len(fields) - 1, REWARD_HELLO.__struct_fields__[-1]), \
         "the text must say how many elements the example's body has and which trailing field it omits"
     inline = [[bytes.fromhex(h) for h in pair] for pair in
-              re.findall(r"frame 0 `([0-9a-f ]+)`, frame 1 `([0-9a-f ]+)`|`(54 52 02 3f)` / `([0-9a-f ]+)`", text)
+              re.findall(r"frame 0 `([0-9a-f ]+)`, frame 1 `([0-9a-f ]+)`|`(54 52 0[0-9a-f] 3f)` / `([0-9a-f ]+)`", text)
               for pair in [[x for x in pair if x]]]
     assert inline == [encode(Heartbeat(seq=3, wall_s=0.0)), encode(Credit(credits=32))]
 

@@ -19,6 +19,7 @@ import zmq.asyncio
 from tailrace.protocol import codec
 from tailrace.protocol.codec import Limits
 from tailrace.protocol.messages import (
+    PROTOCOL_VERSION,
     Error,
     ErrorCode,
     Event,
@@ -41,6 +42,8 @@ from tailrace.protocol.transport import (
     generate_keypair,
     run,
 )
+
+TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
@@ -93,7 +96,7 @@ class RawPeer:
                 before.append(msg)
 
     async def hello(self, name: str) -> Welcome:
-        await self.send_msg(Hello(role="generator", name=name, protocol_version=2, package_version="test"))
+        await self.send_msg(Hello(role="generator", name=name, protocol_version=PROTOCOL_VERSION, package_version="test"))
         welcome, _ = await self.recv_until(Welcome)
         return welcome
 
@@ -259,16 +262,16 @@ async def test_bad_input_answered_with_errors_and_server_keeps_serving(ctx, addr
         cases = [  # (frames, expected reply kind, code, ref_kind)
             ([b""], Error, ErrorCode.BAD_FRAME, 0),  # empty message
             (heartbeat[:1], Error, ErrorCode.BAD_FRAME, 60),  # truncated: header only
-            ([b"TR\x02", heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # truncated header
+            ([TRV, heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # truncated header
             ([b"XX\x02\x3c", heartbeat[1]], Error, ErrorCode.BAD_FRAME, 0),  # not our magic
-            ([b"TR\x03\x3c", heartbeat[1]], Error, ErrorCode.VERSION_MISMATCH, 60),
-            ([b"TR\x02\xc8", heartbeat[1]], Error, ErrorCode.UNKNOWN_KIND, 200),
+            ([b"TR\x09\x3c", heartbeat[1]], Error, ErrorCode.VERSION_MISMATCH, 60),
+            ([TRV + b"\xc8", heartbeat[1]], Error, ErrorCode.UNKNOWN_KIND, 200),
             ([heartbeat[0], b"\xc1\xff"], Error, ErrorCode.BAD_FIELD, 60),  # not MessagePack
             ([heartbeat[0], heartbeat[1], b"extra"], Error, ErrorCode.BAD_FRAME, 60),
             ([heartbeat[0], b"\x00" * 5000], Error, ErrorCode.TOO_LARGE, 60),  # over max_body_bytes
             (heartbeat, Error, ErrorCode.NOT_WELCOME, 60),  # valid, but before Hello
-            ([b"TR\x03\x01", b"\x90"], Reject, ErrorCode.VERSION_MISMATCH, 0),  # Hello of another version
-            (codec.encode(Hello(role="generator", name="v3", protocol_version=3, package_version="9")),
+            ([b"TR\x09\x01", b"\x90"], Reject, ErrorCode.VERSION_MISMATCH, 0),  # Hello of another version
+            (codec.encode(Hello(role="generator", name="v9", protocol_version=9, package_version="9")),
              Reject, ErrorCode.VERSION_MISMATCH, 0),
         ]
         for frames, kind, code, ref_kind in cases:
@@ -295,9 +298,9 @@ async def test_bad_input_answered_with_errors_and_server_keeps_serving(ctx, addr
         for _ in range(200):
             frames = [rng.randbytes(rng.choice([0, 1, 3, 4, 5, 40])) for _ in range(rng.randint(1, 4))]
             if rng.random() < 0.5:
-                frames[0] = b"TR\x02" + bytes([rng.choice([1, 20, 30, 42, 60, 63, 99])])
+                frames[0] = TRV + bytes([rng.choice([1, 20, 30, 42, 60, 63, 99])])
             await junk.send(*frames)
-        await junk.send_msg(Hello(role="tool", name="after-junk", protocol_version=2, package_version="t"))
+        await junk.send_msg(Hello(role="tool", name="after-junk", protocol_version=PROTOCOL_VERSION, package_version="t"))
         _, before = await junk.recv_until(Welcome)
         assert before and all(isinstance(m, Error) for m in before)
         assert len(before) <= 20  # error replies are rate-limited per peer
@@ -318,7 +321,7 @@ async def test_oversized_frame_disconnects_sender_without_reply(ctx):
     limits = Limits(max_frame_bytes=64 << 10)
     async with Server("tcp://127.0.0.1:0", run_id="r", limits=limits, context=ctx) as server:
         raw = RawPeer(ctx, server.address)
-        await raw.send(b"TR\x02\x3c", b"\x00" * (128 << 10))  # ZeroMQ (MAXMSGSIZE) drops the connection
+        await raw.send(TRV + b"\x3c", b"\x00" * (128 << 10))  # ZeroMQ (MAXMSGSIZE) drops the connection
         heartbeat = codec.encode(Heartbeat(seq=1))
         reply = None
         while reply is None:  # the DEALER reconnects; the first reply must answer the Heartbeat
@@ -342,7 +345,7 @@ import sys, zmq
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect(sys.argv[1])
 for _ in range(3):  # one at a time: ZeroMQ would otherwise buffer the next while the last waits
-    sock.send_multipart([b"TR\\x02\\x01", b"\\x00" * (50 << 20)], copy=False)
+    sock.send_multipart([b"TR\\x03\\x01", b"\\x00" * (50 << 20)], copy=False)
     print(sock.recv_multipart()[0].hex() if sock.poll(20000) else "none", flush=True)
 """
 
@@ -377,7 +380,7 @@ async def test_flood_without_credit_is_dropped_and_bounded(ctx, address):
                 await flood.send_msg(stats(i))
             await polite.send_many(stats(1000 + i) for i in range(4))
             # a new Hello ends the session: every reply before its Welcome answers the flood
-            await flood.send_msg(Hello(role="generator", name="flood-2", protocol_version=2, package_version="t"))
+            await flood.send_msg(Hello(role="generator", name="flood-2", protocol_version=PROTOCOL_VERSION, package_version="t"))
             _, before = await flood.recv_until(Welcome)
             assert 1 <= len(before) <= 20 and all(m.code == ErrorCode.NO_CREDIT for m in before)
             assert server.counters["dropped/no_credit"] == 496
@@ -460,7 +463,7 @@ async def test_curve_client_without_server_key_cannot_exchange_messages(ctx):
             with pytest.raises(ConnectTimeout):
                 await client.connect(timeout_s=0.5)
         raw = RawPeer(ctx, server.address)  # plaintext ZMTP: never reaches the decoder either
-        await raw.send_msg(Hello(role="generator", name="raw", protocol_version=2, package_version="t"))
+        await raw.send_msg(Hello(role="generator", name="raw", protocol_version=PROTOCOL_VERSION, package_version="t"))
         with pytest.raises(TimeoutError):
             await raw.recv_msg(timeout_s=0.3)
         raw.close()

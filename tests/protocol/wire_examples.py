@@ -31,6 +31,7 @@ from tailrace.protocol.messages import (
     Stats,
     WeightsChunk,
     WeightsFetch,
+    WeightsAck,
     WeightsNotice,
     Welcome,
     Work,
@@ -56,7 +57,7 @@ def examples() -> list[tuple[object, int]]:
     """(message, exact number of frames it encodes to) — every kind at least once."""
     big = torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64)  # 128 KiB: its own frame
     return [
-        (Hello(role="reward", name="math-grader", protocol_version=2, package_version="0.1.0",
+        (Hello(role="reward", name="math-grader", protocol_version=3, package_version="0.1.0",
                tasks=["math"], max_inflight=16, capabilities={"language": "go", "gpus": 0, "fast": True,
                                                              "ratio": 0.5, "none": None}), 2),
         (Welcome(run_id="r-20261129-1", policy_version=4, credits=64, heartbeat_interval_s=1.0,
@@ -77,6 +78,12 @@ def examples() -> list[tuple[object, int]]:
         (Score(request_id=77, reward=1.0, details={"exact": 1.0}), 2),
         (ScoreError(request_id=77, code=504, text="score function timed out after 10.0 s"), 2),
         (WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184), 2),
+        (WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184,
+                       transport="broadcast", broadcast_store="127.0.0.1:41234", broadcast_group="w1",
+                       broadcast_backend="gloo", broadcast_rank=1, broadcast_world_size=3,
+                       broadcast_bucket_bytes=33554432, broadcast_layout="3f2a9c0d1b4e5f60718293a4b5c6d7e8",
+                       broadcast_timeout_s=30.0), 2),
+        (WeightsAck(model="policy", version=5, ok=True), 2),
         (WeightsFetch(model="policy", version=5, chunk_index=0), 2),
         (WeightsChunk(model="policy", version=5, chunk_index=0, num_chunks=3,
                       tensors={"model.embed_tokens.weight": big, "model.norm.weight": torch.ones(64),
