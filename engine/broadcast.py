@@ -167,7 +167,7 @@ class Group:
         keys = [f"joined/{r}" for r in range(1, self.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            missing = tuple(r for r, key in zip(range(1, self.world_size), keys) if not self.store.check([key]))
+            missing = tuple(r for r, key in zip(range(1, self.world_size), keys, strict=True) if not self.store.check([key]))
             if not missing:
                 self.store.set("verdict", b"ok")
                 return

@@ -8,11 +8,13 @@
     generators --WeightsAck--> on_ack: not ok -> that generator is excluded (served by chunks from then on)
 
 One group for all members, re-formed when membership changes, rather than one small group per generator:
-a group of N+1 lets gloo / NCCL fan the bytes out (the trainer's egress stays ~1x the model, not Nx), and
-tools/bench.py weights measures both (`per_generator_s_by_n`). A member that never joins is named by the
-bounded rendezvous (Group.join) and excluded; a failure mid-broadcast (a member killed or frozen) costs one
-timeout: the group is dropped, each member falls back to chunks by itself after its own bounded wait, and
-the next version re-forms the group. Test: pytest tests/engine/test_broadcast.py tests/faults/test_broadcast_faults.py
+measured with gloo on 2 CPU cores over loopback (tools/bench.py weights, `per_generator_s_by_n`;
+docs/weights-broadcast.md) the two are within noise of each other (N = 4, 64 MB: 0.47 s vs 0.46 s), and
+only a group of N+1 lets gloo / NCCL fan the bytes out so the trainer's egress stays ~1x the model on a
+real network. Its cost: a frozen member fails one version for all (they fetch it by chunks). A member that
+never joins is named by the bounded rendezvous (Group.join) and excluded; a failure mid-broadcast (a member
+killed or frozen) costs one timeout: the group is dropped, each member falls back to chunks by itself after
+its own bounded wait, and the next version re-forms the group. Test: pytest tests/engine/test_broadcast.py tests/faults/test_broadcast_faults.py
 """
 
 from __future__ import annotations

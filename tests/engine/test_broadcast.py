@@ -122,7 +122,7 @@ def test_two_generators_get_every_version_bit_equal():
         t.join(30)
     for out in outs:
         assert len(out) == 3 and not any(isinstance(o, Exception) for o in out), out
-        for received, sent in zip(out, versions):
+        for received, sent in zip(out, versions, strict=True):
             assert sorted(received) == sorted(sent)
             for name in sent:
                 assert received[name].dtype == sent[name].dtype

@@ -84,7 +84,7 @@ async def test_every_version_reaches_each_generator_bit_equal_by_broadcast(tmp_p
     summary = await asyncio.wait_for(run, 90)
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
     _exact(summary)
-    for (gen, loaded), name in zip(gens, ("gen-0", "gen-1")):
+    for (gen, loaded), name in zip(gens, ("gen-0", "gen-1"), strict=True):
         _assert_bit_equal(loaded, published, name)
         assert gen.weights_by["broadcast"] == len(loaded) and gen.weights_by["chunks"] == 0, gen.weights_by
     assert summary["weights_broadcast"]["broadcasts"] >= 1

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wire_examples import assert_same, examples, rollout
 
 from tailrace.protocol.codec import ProtocolError, decode, encode
-from tailrace.protocol.messages import Rollout, WeightsNotice
+from tailrace.protocol.messages import PROTOCOL_VERSION, Rollout, WeightsNotice
 from tailrace.protocol.schema import (
     INT64_MAX,
     INT64_MIN,
@@ -29,7 +29,6 @@ from tailrace.protocol.schema import (
     split,
 )
 
-from tailrace.protocol.messages import PROTOCOL_VERSION
 TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")

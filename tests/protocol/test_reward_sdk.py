@@ -16,7 +16,15 @@ import zmq
 import zmq.asyncio
 
 from tailrace.protocol import codec
-from tailrace.protocol.messages import PROTOCOL_VERSION, ErrorCode, Hello, Score, ScoreError, ScoreRequest, Welcome
+from tailrace.protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Hello,
+    Score,
+    ScoreError,
+    ScoreRequest,
+    Welcome,
+)
 from tailrace.protocol.reward_sdk import RewardRouter, RewardUnavailable, ScoreFailed, serve, to_reply
 from tailrace.protocol.transport import Server
 

@@ -17,7 +17,15 @@ from typing import Any, Literal
 import msgspec
 
 from tailrace.protocol.codec import decode, encode
-from tailrace.protocol.messages import PROTOCOL_VERSION, Credit, ErrorCode, Heartbeat, Hello, Score, ScoreRequest
+from tailrace.protocol.messages import (
+    PROTOCOL_VERSION,
+    Credit,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Score,
+    ScoreRequest,
+)
 from tailrace.protocol.schema import (
     DTYPES,
     INT64_MAX,
