@@ -149,3 +149,27 @@ def test_a_receiver_refuses_another_layout_before_joining():
     store = master_store("127.0.0.1", 5.0)
     with pytest.raises(ValueError, match="broadcast_layout"):
         receiver.receive(_notice(store, "w3", 1, 2, "0" * 32))
+
+
+def test_a_bad_rendezvous_answer_is_refused_as_a_field_error():
+    """A broadcast WeightsNotice that names no store, a rank outside the group, an unknown backend or no
+    timeout never reaches a generator's receiver: decoding refuses it with 401 (the peer gets an Error)."""
+    import msgpack
+
+    from tailrace.protocol.codec import ProtocolError, decode, encode
+
+    good = WeightsNotice(model="policy", version=1, num_chunks=1, num_tensors=6, total_bytes=1, transport="broadcast",
+                         broadcast_store="127.0.0.1:5", broadcast_group="w1", broadcast_backend="gloo",
+                         broadcast_rank=1, broadcast_world_size=3, broadcast_bucket_bytes=1024,
+                         broadcast_layout="0" * 32, broadcast_timeout_s=1.0)
+    frames = encode(good)
+    assert decode(frames) == good
+    fields = list(good.__struct_fields__)
+    for field, value in (("broadcast_rank", 0), ("broadcast_rank", 3), ("broadcast_store", ""),
+                         ("broadcast_backend", "mpi"), ("broadcast_timeout_s", 0.0), ("broadcast_bucket_bytes", 0),
+                         ("broadcast_group", ""), ("transport", "carrier-pigeon")):
+        body = msgpack.unpackb(frames[1])
+        body[fields.index(field)] = value
+        with pytest.raises(ProtocolError) as info:
+            decode([frames[0], msgpack.packb(body), *frames[2:]])
+        assert info.value.code == 401, (field, value, info.value)
