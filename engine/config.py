@@ -300,7 +300,7 @@ class GeneratorConfig:
     vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
-    weights_transport: str = "auto"  # auto: offer in Hello to take new weights by broadcast (torch backend); chunks: always fetch chunks
+    weights_transport: str = "auto"  # auto: offer in Hello to take new weights by broadcast (torch and vllm backends); chunks: always fetch chunks
     cuda_graphs: bool = True  # torch backend on a CUDA device: the decode, verify and draft forwards run at fixed shapes (rows padded to a power-of-two bucket, attention over a power-of-two window of columns) and are replayed as CUDA graphs captured at each shape's first use; no effect on a CPU (README: CUDA graphs in the torch backend)
 
     def __post_init__(self):

@@ -100,12 +100,19 @@ def decide(s: GenState) -> Action:
 
 
 def broadcast_receiver(cfg: RunConfig, backend: Any, address: str) -> Any:
-    """The weights-broadcast receiver for a backend whose model lives in this process (torch), else None."""
-    model = getattr(backend, "model", None)
-    if cfg.generator.weights_transport != "auto" or not hasattr(model, "state_dict"):
+    """The weights-broadcast receiver for a backend that can take weights received in this process: torch
+    (into its model's layout and device) and vLLM (its engine core runs here: received on the CPU in the
+    Hugging Face layout, vllm_backend.hf_layout, then loaded like fetched weights); else None."""
+    if cfg.generator.weights_transport != "auto":
         return None
     from tailrace.engine.broadcast import Receiver
 
+    layout = getattr(backend, "broadcast_layout", None)
+    if layout is not None:
+        return Receiver(layout, address, "cpu")
+    model = getattr(backend, "model", None)
+    if not hasattr(model, "state_dict"):
+        return None
     return Receiver(model.state_dict(), address, getattr(backend, "device", "cpu"))
 
 
