@@ -41,6 +41,25 @@ def store_host(bind_address: str) -> str:
     return "0.0.0.0" if host in ("*", "") else host
 
 
+def make_broadcaster(cfg: Any, server: Any, counters: collections.Counter) -> Broadcaster | None:
+    """The run's broadcaster, or None where trainer.weights_transport says chunks or CURVE is on (the
+    TCPStore is not authenticated)."""
+    t = cfg.trainer
+    if t.weights_transport != "auto" or t.curve_secret_key_file:
+        return None
+    return Broadcaster(server, counters, bucket_bytes=t.weights_bucket_bytes, timeout_s=t.weights_broadcast_timeout_s,
+                       device=cfg.model.device)
+
+
+def weights_summary(counters: collections.Counter, generator_stats: dict[str, m.Stats]) -> dict[str, dict]:
+    """For summary.json: how each generator took its versions, and the trainer's broadcast counters."""
+    return {"weights_by_generator": {name: {k: st.counters.get(f"generator/weights/{k}", 0.0)
+                                            for k in ("by_broadcast", "by_chunks", "broadcast_failed")}
+                                     for name, st in generator_stats.items()},
+            "weights_broadcast": {k.removeprefix("trainer/weights/"): v for k, v in counters.items()
+                                  if k.startswith("trainer/weights/")}}
+
+
 class Broadcaster:
     def __init__(self, server: Any, counters: collections.Counter, *, bucket_bytes: int, timeout_s: float,
                  device: Any = "cpu"):

@@ -39,7 +39,7 @@ from tailrace.engine.data import PromptSource
 from tailrace.engine.metrics import make_sink
 from tailrace.engine.samples import PromptRecord, TrainSample
 from tailrace.engine.trainer import checkpoint, early, loop_probe, publish, trained_log, watchdog
-from tailrace.engine.trainer.broadcaster import Broadcaster
+from tailrace.engine.trainer.broadcaster import Broadcaster, make_broadcaster, weights_summary
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.evaluation import Evaluator
@@ -180,9 +180,8 @@ class TrainerService:
             self.rewards = RewardDispatcher(self.cfg.reward, router)
             weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
             notice = self.store.publish("policy", self.learner.policy_version, weights)
-            if cfg.weights_transport == "auto" and not cfg.curve_secret_key_file:
-                self.broadcaster = Broadcaster(self.server, self.counters, bucket_bytes=cfg.weights_bucket_bytes,
-                                               timeout_s=cfg.weights_broadcast_timeout_s, device=self.cfg.model.device)
+            self.broadcaster = make_broadcaster(self.cfg, self.server, self.counters)
+            if self.broadcaster is not None:
                 self.broadcaster.offer(self.learner.policy_version, weights, notice)
             endpoint = self.run_dir / "endpoint.json"  # renamed into place: `tailrace run` reads it at once
             endpoint.with_suffix(".tmp").write_text(json.dumps(
@@ -603,11 +602,7 @@ class TrainerService:
                                         "wall_s": st.counters.get("generator/time/wall_s", 0.0),
                                         "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
-            "weights_by_generator": {name: {k: st.counters.get(f"generator/weights/{k}", 0.0)
-                                            for k in ("by_broadcast", "by_chunks", "broadcast_failed")}
-                                     for name, st in self.last_generator_stats.items()},
-            "weights_broadcast": {k.removeprefix("trainer/weights/"): v for k, v in self.counters.items()
-                                  if k.startswith("trainer/weights/")},
+            **weights_summary(self.counters, self.last_generator_stats),
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "stop_reason": self.stop_reason,
             "eval": self.evaluator.summary(),
