@@ -6,6 +6,9 @@ finished sample at once, and takes new weights between decode steps.
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
                 request work > decode one step (in a worker thread) > wait for the recv loop
     stats loop  sends Stats and the spans recorded since (engine/generator/spans.py) every trainer stats interval
+    receive     per broadcast WeightsNotice, one at a time in the trainer's order: joins the weight group and
+                receives the version in a worker thread (engine/broadcast.py Receiver), acknowledges
+                (WeightsAck), sets it ready for the main loop; on any failure fetches it by chunks instead
 Drafter sharing (with speculation): every DRAFTER_PUBLISH_STEPS spot-training steps the drafter is
 exported into a small local WeightsStore and announced to the trainer (WeightsNotice "drafter"), which
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
