@@ -284,6 +284,9 @@ class TrainerConfig:
     curve_clients_file: str = ""  # with CURVE: allow-list of client keys and their roles; "" = any key
     accept_drafters: bool = True  # take drafters that generators upload (checked, next version only)
     expected_generators: int = 0  # generators being started for this trainer (tailrace run sets launch.num_generators): while none has connected the watchdog says it waits for them; 0 = none announced
+    weights_transport: str = "auto"  # auto: new weights by torch.distributed broadcast (gloo on CPU, NCCL on GPUs) to the generators that offer to join, by chunks to the others, broadcast off under CURVE (its TCPStore is not authenticated); chunks: always by chunks (docs/scaling.md: Weights by broadcast)
+    weights_bucket_bytes: int = 32 << 20  # with broadcast: size of one flat bucket of same-dtype tensors
+    weights_broadcast_timeout_s: float = 30.0  # with broadcast: the longest any join or bucket waits (then the group is dropped and its members fetch chunks)
 
     def __post_init__(self):
         _check(self.bind.startswith(("tcp://", "ipc://", "inproc://")), "trainer.bind",
@@ -293,6 +296,11 @@ class TrainerConfig:
         _check(not self.curve_clients_file or bool(self.curve_secret_key_file), "trainer.curve_clients_file",
                "needs trainer.curve_secret_key_file: client keys exist only with CURVE")
         _check(self.expected_generators >= 0, "trainer.expected_generators", "must be >= 0")
+        _check(self.weights_transport in ("auto", "chunks"), "trainer.weights_transport",
+               f"{self.weights_transport!r} is not one of auto, chunks")
+        _check(self.weights_bucket_bytes >= 1 << 10, "trainer.weights_bucket_bytes", "must be >= 1024")
+        _check(0 < self.weights_broadcast_timeout_s <= 3600, "trainer.weights_broadcast_timeout_s",
+               "must be in (0, 3600]")
 
 
 @dataclass(kw_only=True)
@@ -307,10 +315,13 @@ class GeneratorConfig:
     vllm_spec_tokens: int = 3  # with speculation on the vllm backend: tokens vLLM drafts per step
     tree_fork_depths: str = ""  # tree-sampled groups: e.g. "4,16" forks a group's trunk at those completion lengths; "" = off
     tree_branching: int = 2  # with tree_fork_depths: the most rows one fork turns a row into
+    weights_transport: str = "auto"  # auto: offer in Hello to take new weights by broadcast (torch and vllm backends); chunks: always fetch chunks
     cuda_graphs: bool = True  # torch backend on a CUDA device: the decode, verify and draft forwards run at fixed shapes (rows padded to a power-of-two bucket, attention over a power-of-two window of columns) and are replayed as CUDA graphs captured at each shape's first use; no effect on a CPU (docs/scaling.md)
 
     def __post_init__(self):
         _check(self.backend in BACKENDS, "generator.backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}")
+        _check(self.weights_transport in ("auto", "chunks"), "generator.weights_transport",
+               f"{self.weights_transport!r} is not one of auto, chunks")
         _check(self.in_flight_kv in ("keep", "recompute"), "generator.in_flight_kv",
                f"{self.in_flight_kv!r} is not one of keep, recompute")
         # Booleans, the setting's earlier type, stay valid: true is on, false is off.

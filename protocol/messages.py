@@ -25,7 +25,7 @@ from tailrace.protocol.schema import (
     struct,
 )
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the wire protocol: the layout (frames, kinds, fields in order, bounds) and the meaning of its
 codes. Any change to either makes a new version, with an entry in protocol/SPEC.md's changelog ("Versions")
 and its layout recorded in tests/protocol/layouts/. Unrelated to the policy version of weights."""
@@ -33,6 +33,8 @@ and its layout recorded in tests/protocol/layouts/. Unrelated to the policy vers
 ROLES = ("trainer", "generator", "reward", "tool")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MODELS = ("policy", "drafter")
+TRANSPORTS = ("chunks", "broadcast")  # how a WeightsNotice's version travels
+BROADCAST_BACKENDS = ("", "gloo", "nccl")  # torch.distributed backends of a broadcast ("": chunks)
 STATES = ("starting", "idle", "generating", "training", "syncing_weights", "scoring", "drafter_training",
           "checkpointing", "stopping")
 Role = Literal[ROLES]
@@ -169,7 +171,7 @@ class Reject(WireStruct):
     every protocol version, and sent in the Hello's own version (its header's version byte), so that a
     peer of any version can read why it was refused.
 
-    Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 3")
+    Example: Reject(code=403, text="protocol version 2 not supported; this trainer speaks 4")
     """
 
     code: Code
@@ -329,7 +331,18 @@ class WeightsNotice(WireStruct):
     trainer for a drafter it trained (model "drafter"); the trainer then fetches that version from it and
     republishes it to every generator as drafter version max(served + 1, version) (see Drafter sharing).
 
-    Example: WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184)
+    transport "broadcast" (sent to one generator that offered weights_broadcast in its Hello, see SPEC.md,
+    "Weights by broadcast"): instead of fetching, join the torch.distributed group `broadcast_group` as
+    rank `broadcast_rank` of `broadcast_world_size` (rank 0: the trainer) through the TCPStore at
+    `broadcast_store` (host:port; a wildcard host means the trainer's address) with `broadcast_backend`,
+    and receive the version as buckets of `broadcast_bucket_bytes` in the order the layout gives
+    (`broadcast_layout`, its digest); every wait is bounded by `broadcast_timeout_s`. Answer with
+    WeightsAck; on any failure fetch the same version by chunks.
+
+    Example: WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184,
+    transport="broadcast", broadcast_store="127.0.0.1:41234", broadcast_group="w1", broadcast_backend="gloo",
+    broadcast_rank=1, broadcast_world_size=3, broadcast_bucket_bytes=33554432,
+    broadcast_layout="3f2a9c0d1b4e5f60718293a4b5c6d7e8", broadcast_timeout_s=30.0)
     """
 
     model: Model
@@ -337,6 +350,26 @@ class WeightsNotice(WireStruct):
     num_chunks: Annotated[int, Meta(ge=0, le=1 << 20)]
     num_tensors: UInt
     total_bytes: UInt
+    transport: Literal[TRANSPORTS] = "chunks"
+    broadcast_store: Annotated[str, Meta(max_length=300)] = ""
+    broadcast_group: Name = ""
+    broadcast_backend: Literal[BROADCAST_BACKENDS] = ""
+    broadcast_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    broadcast_world_size: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    broadcast_bucket_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+    broadcast_layout: Annotated[str, Meta(max_length=64)] = ""
+    broadcast_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 0.0
+
+    def __post_init__(self):
+        if self.transport != "broadcast":
+            return
+        if not self.broadcast_store or not self.broadcast_group or not self.broadcast_backend:
+            raise ValueError("a broadcast WeightsNotice needs broadcast_store, broadcast_group and broadcast_backend")
+        if not 1 <= self.broadcast_rank < self.broadcast_world_size:
+            raise ValueError(f"broadcast_rank {self.broadcast_rank} is not in 1..broadcast_world_size - 1 "
+                             f"({self.broadcast_world_size})")
+        if self.broadcast_bucket_bytes < 1 or self.broadcast_timeout_s <= 0:
+            raise ValueError("a broadcast WeightsNotice needs broadcast_bucket_bytes >= 1 and broadcast_timeout_s > 0")
 
 
 @message(41)
@@ -366,6 +399,20 @@ class WeightsChunk(WireStruct):
     chunk_index: UInt
     num_chunks: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     tensors: Annotated[dict[Key, Array], Meta(max_length=1 << 16)]
+
+
+@message(43)
+class WeightsAck(WireStruct):
+    """A generator's answer to a broadcast WeightsNotice: ok when it received and checked the version by
+    broadcast; not ok (text says why) when it could not join or receive it, and fetches it by chunks instead.
+
+    Example: WeightsAck(model="policy", version=5, ok=True, text="")
+    """
+
+    model: Model
+    version: UInt
+    ok: bool
+    text: LongText = ""
 
 
 # ---------------------------------------------------------------------------------------- telemetry

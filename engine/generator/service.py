@@ -8,6 +8,9 @@ finished sample at once, and takes new weights between decode steps.
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
                 request work > decode one step (in a worker thread) > wait for the recv loop
     stats loop  sends Stats and the spans recorded since (engine/generator/spans.py) every trainer stats interval
+    receive     per broadcast WeightsNotice, one at a time in the trainer's order: joins the weight group and
+                receives the version in a worker thread (engine/core/broadcast.py Receiver), acknowledges
+                (WeightsAck), sets it ready for the main loop; on any failure fetches it by chunks instead
 Drafter sharing (with speculation): every DRAFTER_PUBLISH_STEPS spot-training steps the drafter is
 exported into a small local WeightsStore and announced to the trainer (WeightsNotice "drafter"), which
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
@@ -101,6 +104,23 @@ def decide(s: GenState) -> Action:
     return Action.WAIT
 
 
+def broadcast_receiver(cfg: RunConfig, backend: Any, address: str) -> Any:
+    """The weights-broadcast receiver for a backend that can take weights received in this process: torch
+    (into its model's layout and device) and vLLM (its engine core runs here: received on the CPU in the
+    Hugging Face layout, vllm_backend.hf_layout, then loaded like fetched weights); else None."""
+    if cfg.generator.weights_transport != "auto":
+        return None
+    from tailrace.engine.core.broadcast import Receiver
+
+    layout = getattr(backend, "broadcast_layout", None)
+    if layout is not None:
+        return Receiver(layout, address, "cpu")
+    model = getattr(backend, "model", None)
+    if not hasattr(model, "state_dict"):
+        return None
+    return Receiver(model.state_dict(), address, getattr(backend, "device", "cpu"))
+
+
 class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
                  make_backend: Any = None,  # interface.BackendFactory; None: generator.backend
@@ -136,6 +156,10 @@ class GeneratorService:
         self.torch = torch
         self.state = GenState(in_flight_update=cfg.generator.in_flight_update)
         self.assembler: WeightsAssembler | None = None
+        self.receiver = broadcast_receiver(cfg, self.backend, address)  # None: new weights by chunks only
+        self.receiving = asyncio.Lock()  # broadcasts are received in the order the trainer sent them
+        self.receive_tasks: set[asyncio.Task] = set()
+        self.weights_by = collections.Counter()  # "broadcast" / "chunks" / "broadcast_failed": versions taken
         # Drafter sharing, only with speculation: what we serve to the trainer, what we fetch from it.
         self.drafter_store = WeightsStore(cfg.trainer.weights_chunk_bytes) if self.spot is not None else None
         self.drafter_assembler: WeightsAssembler | None = None
@@ -171,6 +195,8 @@ class GeneratorService:
                             raise
                         self.drop_session(exc)
             finally:
+                if self.receiver is not None:
+                    self.receiver.close()
                 if self.spot_thread is not None:
                     self.spot_thread.shutdown(wait=False, cancel_futures=True)
                 self.backend.close()
@@ -181,6 +207,8 @@ class GeneratorService:
 
         caps = {"backend": self.backend.name, "vocab_size": self.backend.vocab_size,
                 "max_model_len": self.backend.max_model_len}
+        if self.receiver is not None:  # we can join the trainer's weights broadcast group
+            caps |= {"weights_broadcast": self.receiver.backends(), "weights_layout": self.receiver.fingerprint}
         self.client = Client(self.address, role="generator", name=self.name,
                              max_inflight=self.cfg.generator.max_batch_size, capabilities=caps,
                              curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key)
@@ -201,9 +229,9 @@ class GeneratorService:
                     raise
                 self.state.shutdown = self.client.shutdown_reason or "trainer shut down"
             finally:
-                for task in (recv, stats):
+                for task in (recv, stats, *self.receive_tasks):
                     task.cancel()
-                await asyncio.gather(recv, stats, return_exceptions=True)
+                await asyncio.gather(recv, stats, *self.receive_tasks, return_exceptions=True)
         return self.state.shutdown or ""
 
     def drop_session(self, lost: Exception) -> None:
@@ -367,6 +395,10 @@ class GeneratorService:
                 self.state.cancel_groups |= groups  # the backend may be mid-step in its thread
                 for group_id in groups:
                     self.eval_samples.pop(group_id, None)
+            elif isinstance(msg, m.WeightsNotice) and msg.transport == "broadcast":
+                task = asyncio.create_task(self.on_broadcast_notice(msg), name=f"broadcast-v{msg.version}")
+                self.receive_tasks.add(task)
+                task.add_done_callback(self.receive_tasks.discard)
             elif isinstance(msg, m.WeightsNotice):
                 await (self.on_drafter_notice(msg) if msg.model == "drafter" else self.on_notice(msg))
             elif isinstance(msg, m.WeightsChunk):
@@ -391,8 +423,40 @@ class GeneratorService:
         self.state.exhausted = False
         self.wakeup.set()
 
+    def newest_version(self) -> int:
+        """The newest policy version loaded or fully received."""
+        ready = self.state.ready_weights
+        return max(self.backend.policy_version, ready[0] if ready is not None else -1)
+
+    async def on_broadcast_notice(self, notice: m.WeightsNotice) -> None:
+        """Receive a version by broadcast (in a worker thread, bounded by the notice's timeout); acknowledge;
+        on any failure leave the group and fetch the same version by chunks."""
+        async with self.receiving:
+            try:
+                if self.receiver is None or notice.model != "policy":
+                    raise ValueError("this generator did not offer to join a weights broadcast")
+                with self.spans.span("weights_broadcast", track="weights"):
+                    tensors = await asyncio.to_thread(self.receiver.receive, notice)
+            except Exception as exc:  # bounded failure of the group (or a bad notice): chunks instead
+                self.weights_by["broadcast_failed"] += 1
+                log.warning("weights v%d by broadcast failed (%s: %s): fetching chunks", notice.version,
+                            type(exc).__name__, exc)
+                if self.receiver is not None:
+                    await asyncio.to_thread(self.receiver.close)
+                await self.client.send(m.WeightsAck(model=notice.model, version=notice.version, ok=False,
+                                                    text=f"{type(exc).__name__}: {exc}"[:4096]))
+                await self.on_notice(notice)
+                return
+        if notice.version > self.newest_version():  # an older one kept the group in step: nothing to load
+            self.state.ready_weights = (notice.version, tensors)
+            self.weights_by["broadcast"] += 1
+            if self.assembler is not None and self.assembler.notice.version <= notice.version:
+                self.assembler = None
+        await self.client.send(m.WeightsAck(model=notice.model, version=notice.version, ok=True))
+        self.wakeup.set()
+
     async def on_notice(self, notice: m.WeightsNotice) -> None:
-        if notice.model != "policy" or notice.version <= self.backend.policy_version:
+        if notice.model != "policy" or notice.version <= self.newest_version():
             return
         if self.assembler is not None and self.assembler.notice.version >= notice.version:
             return
@@ -409,7 +473,9 @@ class GeneratorService:
             await self.client.send(m.WeightsFetch(model="policy", version=chunk.version,
                                                   chunk_index=self.assembler.next_index()))
             return
-        self.state.ready_weights = (chunk.version, tensors)
+        if chunk.version > self.newest_version():
+            self.state.ready_weights = (chunk.version, tensors)
+            self.weights_by["chunks"] += 1
         self.assembler = None
 
     # ------------------------------------------------------------------------------------ drafter sharing
@@ -491,6 +557,9 @@ class GeneratorService:
             "generator/session/samples_dropped": self.samples_dropped,
             "generator/eval/samples_sent": self.eval_sent,
             "generator/telemetry/cost_s": self.spans.cost_s,  # recording and sending spans
+            "generator/weights/by_broadcast": self.weights_by["broadcast"],
+            "generator/weights/by_chunks": self.weights_by["chunks"],
+            "generator/weights/broadcast_failed": self.weights_by["broadcast_failed"],
         }
         if self.bandit is not None:
             from tailrace.engine.generator.speculation.speculative import telemetry

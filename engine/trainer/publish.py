@@ -1,6 +1,7 @@
 """The trainer's publication of a new policy version after each step: a CPU copy of the weights (gathered
 across ranks) into the weights store, a WeightsNotice to every generator and on the notice socket, then
-the parked work requests the new version may answer.
+the parked work requests the new version may answer. Generators in the weights broadcast group
+(trainer/broadcaster.py) get the version from the broadcaster's own task, which nothing here awaits.
 
 On one rank the publication runs as a task beside the next step's early forward/backward (early.py),
 which only reads the weights: the controller moves to the new version at once, so work admitted meanwhile
@@ -19,6 +20,7 @@ from tailrace.engine.trainer import dist
 
 if TYPE_CHECKING:
     from tailrace.engine.core.weights import WeightsStore
+    from tailrace.engine.trainer.broadcaster import Broadcaster
     from tailrace.engine.trainer.controller import Controller
     from tailrace.engine.trainer.learner import Learner
     from tailrace.protocol.telemetry import SpanBuffer
@@ -35,6 +37,7 @@ class PublishService(Protocol):
     server: Server
     spans: SpanBuffer
     publishing: asyncio.Task | None  # the background publication of the newest version
+    broadcaster: Broadcaster | None  # weights by broadcast to the generators that joined, or None
 
     async def serve_parked(self) -> None: ...
 
@@ -64,8 +67,11 @@ async def publish(service: PublishService, track: str = "main") -> None:
         weights = await asyncio.to_thread(service.learner.state_dict_for_broadcast)  # gathered across ranks
     notice = service.store.publish("policy", version, weights)
     service.controller.on_new_version(version)
+    broadcaster = service.broadcaster
     for peer in list(service.server.peers.values()):
-        if peer.role == "generator":
-            await service.server.send(peer.id, notice)
+        if peer.role == "generator" and (broadcaster is None or not broadcaster.can_join(peer)):
+            await service.server.send(peer.id, notice)  # by chunks; the others get it by broadcast
+    if broadcaster is not None:
+        broadcaster.offer(version, weights, notice)  # sent by its own task, never awaited here
     await service.server.publish(notice)
     await service.serve_parked()

@@ -57,6 +57,7 @@ from tailrace.engine.trainer import (
     watchdog,
     writes,
 )
+from tailrace.engine.trainer.broadcaster import Broadcaster, make_broadcaster, weights_summary
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.in_run_eval import Evaluator
@@ -152,6 +153,7 @@ class TrainerService:
         self.last_generator_stats: dict[str, m.Stats] = {}  # kept after the generator leaves
         self.changed = asyncio.Event()
         self.publishing: asyncio.Task | None = None  # publish.begin of the newest version, in the background
+        self.broadcaster: Broadcaster | None = None  # weights by broadcast, when trainer.weights_transport allows
         self.stop_requested = False
         self.stop_reason = ""
         self.failure: Exception | None = None  # what stopped the run from inside (a loop's error), raised at the end
@@ -232,7 +234,10 @@ class TrainerService:
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
             weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
-            self.store.publish("policy", self.learner.policy_version, weights)
+            notice = self.store.publish("policy", self.learner.policy_version, weights)
+            self.broadcaster = make_broadcaster(self.cfg, self.server, self.counters)
+            if self.broadcaster is not None:
+                self.broadcaster.offer(self.learner.policy_version, weights, notice)
             endpoint = self.run_dir / "endpoint.json"  # renamed into place: `tailrace run` reads it at once
             endpoint.with_suffix(".tmp").write_text(json.dumps(
                 {"address": self.server.address, "notice_address": self.server.notice_address,
@@ -243,6 +248,8 @@ class TrainerService:
             self.state = "idle"
             loops = [self.spawn(self.net_loop(), "net"), self.spawn(self.stats_loop(), "stats"),
                      self.spawn(self.watchdog_loop(), "watchdog"), self.spawn(loop_probe.watch(self.counters), "loop-probe")]
+            if self.broadcaster is not None:
+                loops.append(self.spawn(self.broadcaster.run(), "broadcast"))
             try:
                 await self.train_loop()
             except Exception as exc:  # its peers are told why, not "run finished"
@@ -360,9 +367,15 @@ class TrainerService:
                                                  peer=peer.name, role=peer.role))
             for model in ("policy", "drafter"):
                 latest = self.store.latest(model)
-                if peer.role == "generator" and latest is not None and latest.version > 0:
+                by_broadcast = model == "policy" and self.broadcaster is not None and \
+                    self.broadcaster.can_join(peer.peer)
+                if peer.role == "generator" and latest is not None and latest.version > 0 and not by_broadcast:
                     await self.server.send(peer.id, latest)
+            if self.broadcaster is not None and peer.role == "generator":
+                self.broadcaster.membership_changed(peer)  # a newcomer gets the latest version by broadcast
             return
+        if self.broadcaster is not None and peer.role == "generator":
+            self.broadcaster.membership_changed(peer)
         self.parked.pop(peer.id, None)
         self.drafters.forget_fetch_from(peer.id)  # its drafter left with it; the next announcement starts over
         self.peer_stats.pop(peer.name, None)
@@ -487,6 +500,11 @@ class TrainerService:
     async def on_weights_chunk(self, peer: Any, msg: m.WeightsChunk) -> None:
         await self.drafters.on_chunk(peer, msg)
 
+    async def on_weights_ack(self, peer: Any, msg: m.WeightsAck) -> None:
+        if peer.role != "generator" or self.broadcaster is None:
+            return await self.reply_error(peer, msg, m.ErrorCode.UNSUPPORTED, "no weights broadcast to acknowledge")
+        self.broadcaster.on_ack(peer, msg)
+
     async def on_peer_error(self, peer: Any, msg: m.Error) -> None:
         """Counted and logged (the 1st, 2nd, 4th, ... of each code); the session goes on. An Error names no
         request, so a ScoreRequest it refers to is settled by its timeout (protocol/SPEC.md)."""
@@ -523,6 +541,7 @@ class TrainerService:
         m.WeightsFetch: on_weights_fetch,
         m.WeightsNotice: on_weights_notice,
         m.WeightsChunk: on_weights_chunk,
+        m.WeightsAck: on_weights_ack,
         m.Stats: on_stats,
         m.Event: on_event,
         m.Spans: on_spans,
@@ -607,6 +626,7 @@ class TrainerService:
                                         "wall_s": st.counters.get("generator/time/wall_s", 0.0),
                                         "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
+            **weights_summary(self.counters, self.last_generator_stats),
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,
             "steps_without_signal": self.no_signal.steps_without_signal,  # every group: one reward for all
             "stop_reason": self.stop_reason,

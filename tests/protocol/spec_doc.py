@@ -159,6 +159,9 @@ def table_rows(cls: type) -> list[list[str]]:
 CROSS_FIELD_CHECKS = {
     "Rollout": "Also required (else 401): `behaviour_logprobs` and `policy_versions` have as many elements as "
                "`completion_token_ids`, and `min_policy_version` <= `max_policy_version`.",
+    "WeightsNotice": "Also required (else 401) when `transport` is \"broadcast\": `broadcast_store`, "
+                     "`broadcast_group` and `broadcast_backend` are not empty, 1 <= `broadcast_rank` < "
+                     "`broadcast_world_size`, `broadcast_bucket_bytes` >= 1 and `broadcast_timeout_s` > 0.",
 }
 """What each class's __post_init__ checks, in words; every class with a __post_init__ needs an entry."""
 

@@ -33,6 +33,8 @@ from tailrace.protocol.messages import (
 )
 from tailrace.protocol.schema import MESSAGE_CLASSES
 
+TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
+
 # Tensors decoded from bytes frames view immutable memory; torch says so once. Expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -370,9 +372,9 @@ def test_size_limits():
 
 
 def test_peek_header_reads_only_frame_zero():
-    assert peek_header(b"TR\x02\x14") == (2, 20)
+    assert peek_header(TRV + b"\x14") == (PROTOCOL_VERSION, 20)
     assert peek_header(zmq.Frame(b"TR\x07\xff")) == (7, 255)  # any version and kind: the caller decides
-    for bad in (b"TR\x02", b"tr\x02\x14", b"TR\x02\x14\x00"):
+    for bad in (TRV, b"tr\x02\x14", TRV + b"\x14\x00"):
         with pytest.raises(ProtocolError) as info:
             peek_header(bad)
         assert info.value.code == ErrorCode.BAD_FRAME

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wire_examples import assert_same, examples, rollout
 
 from tailrace.protocol.codec import ProtocolError, decode, encode
-from tailrace.protocol.messages import PROTOCOL_VERSION, Rollout
+from tailrace.protocol.messages import PROTOCOL_VERSION, Rollout, WeightsNotice
 from tailrace.protocol.schema import (
     INT64_MAX,
     INT64_MIN,
@@ -28,6 +28,8 @@ from tailrace.protocol.schema import (
     is_struct,
     split,
 )
+
+TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -104,9 +106,25 @@ def rollouts(draw):
     return Rollout(**fields)
 
 
+@st.composite
+def weights_notices(draw):
+    """WeightsNotices whose broadcast fields, when transport is "broadcast", pass its cross-field checks."""
+    fields = {name: draw(strategy(tp)) for name, tp in hints(WeightsNotice).items()}
+    if fields["transport"] == "broadcast":
+        world = draw(st.integers(2, 1 << 16))
+        fields |= {"broadcast_store": fields["broadcast_store"] or "h:1", "broadcast_group": fields["broadcast_group"] or "g",
+                   "broadcast_backend": fields["broadcast_backend"] or "gloo", "broadcast_world_size": world,
+                   "broadcast_rank": draw(st.integers(1, world - 1)),
+                   "broadcast_bucket_bytes": max(1, fields["broadcast_bucket_bytes"]),
+                   "broadcast_timeout_s": draw(st.floats(0.001, 3600.0))}
+    return WeightsNotice(**fields)
+
+
 def messages(cls):
     if cls is Rollout:
         return rollouts()
+    if cls is WeightsNotice:
+        return weights_notices()
     return st.builds(cls, **{name: strategy(tp) for name, tp in hints(cls).items()})
 
 

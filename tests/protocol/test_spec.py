@@ -60,7 +60,8 @@ REWARD_SERVER_SEES = {Hello, Welcome, Reject, Heartbeat, Credit, ScoreRequest, S
 """Every message a reward server sends or receives on its session (SPEC.md, "Reward servers")."""
 SECTIONS = ("Versions", "Frames", "Types", "Messages", "Error codes", "Connections", "Handshake",
             "Heartbeats and liveness", "Flow control", "Authentication (CURVE)", "Size limits",
-            "Work, leases and discards", "Reward servers", "Stats and Spans", "Byte examples")
+            "Work, leases and discards", "Reward servers", "Weights by broadcast", "Stats and Spans",
+            "Byte examples")
 
 
 def test_spec_has_its_title_and_sections():

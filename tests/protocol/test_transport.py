@@ -43,6 +43,8 @@ from tailrace.protocol.transport import (
     run,
 )
 
+TRV = b"TR" + bytes((PROTOCOL_VERSION,))  # a header's magic and this protocol version
+
 pytestmark = [pytest.mark.timeout(30), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
 TR = b"TR" + bytes((PROTOCOL_VERSION,))  # a header of this version, less its kind byte

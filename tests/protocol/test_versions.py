@@ -95,7 +95,7 @@ def test_hellos_of_older_versions_are_read_by_the_frozen_framing():
 
 
 def test_a_reject_in_another_version_is_what_that_version_encoded():
-    reject = Reject(code=403, text="protocol version 1 not supported; this trainer speaks 3")
+    reject = Reject(code=403, text="protocol version 1 not supported; this trainer speaks 4")
     assert encode_reject(reject, 1) == V1_REJECT
     assert decode_any_version(V1_REJECT) == (1, reject)
     assert msgspec.msgpack.decode(V1_REJECT[1]) == [403, reject.text]  # what any MessagePack library reads

@@ -30,6 +30,7 @@ from tailrace.protocol.messages import (
     Span,
     Spans,
     Stats,
+    WeightsAck,
     WeightsChunk,
     WeightsFetch,
     WeightsNotice,
@@ -45,10 +46,10 @@ V1_HELLO = [bytes.fromhex("54 52 01 01"), bytes.fromhex(
     "97 a6 72 65 77 61 72 64 a8 67 72 61 64 65 72 2d 31 01 a5 30 2e 31 2e 30 91 a4 6d 61 74 68 04 80")]
 V2_HELLO = [bytes.fromhex("54 52 02 01"), bytes.fromhex(
     "97 a6 72 65 77 61 72 64 a8 67 72 61 64 65 72 2d 31 02 a3 31 2e 30 91 a4 6d 61 74 68 04 80")]
-# Reject(code=403, text="protocol version 1 not supported; this trainer speaks 3") as version 1's codec
+# Reject(code=403, text="protocol version 1 not supported; this trainer speaks 4") as version 1's codec
 # encoded it: frames a version-1 peer reads.
 V1_REJECT = [bytes.fromhex("54 52 01 03"), bytes.fromhex("92 cd 01 93 d9 37") +
-             b"protocol version 1 not supported; this trainer speaks 3"]
+             b"protocol version 1 not supported; this trainer speaks 4"]
 
 
 def rollout(num_prompt: int = 3, num_completion: int = 5, dtype: torch.dtype = torch.int32) -> Rollout:
@@ -73,7 +74,7 @@ def examples() -> list[tuple[object, int]]:
                                                              "ratio": 0.5, "none": None}), 2),
         (Welcome(run_id="r-20261129-1", policy_version=4, credits=64, heartbeat_interval_s=1.0,
                  peer_timeout_s=5.0, notice_endpoint="tcp://127.0.0.1:5556", max_message_bytes=1 << 28), 2),
-        (Reject(code=403, text="protocol version 2 not supported; this trainer speaks 3"), 2),
+        (Reject(code=403, text="protocol version 2 not supported; this trainer speaks 4"), 2),
         (WorkRequest(capacity=16, policy_version=3), 2),
         (Work(items=[WorkItem(group_id=1, prompt_token_ids=[1, 2], num_samples=4),
                      WorkItem(group_id=2, prompt_token_ids=list(range(300)), num_samples=8, first_sample_id=8,
@@ -89,6 +90,12 @@ def examples() -> list[tuple[object, int]]:
         (Score(request_id=77, reward=1.0, details={"exact": 1.0}), 2),
         (ScoreError(request_id=77, code=504, text="score function timed out after 10.0 s"), 2),
         (WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184), 2),
+        (WeightsNotice(model="policy", version=5, num_chunks=3, num_tensors=42, total_bytes=9437184,
+                       transport="broadcast", broadcast_store="127.0.0.1:41234", broadcast_group="w1",
+                       broadcast_backend="gloo", broadcast_rank=1, broadcast_world_size=3,
+                       broadcast_bucket_bytes=33554432, broadcast_layout="3f2a9c0d1b4e5f60718293a4b5c6d7e8",
+                       broadcast_timeout_s=30.0), 2),
+        (WeightsAck(model="policy", version=5, ok=True), 2),
         (WeightsFetch(model="policy", version=5, chunk_index=0), 2),
         (WeightsChunk(model="policy", version=5, chunk_index=0, num_chunks=3,
                       tensors={"model.embed_tokens.weight": big, "model.norm.weight": torch.ones(64),

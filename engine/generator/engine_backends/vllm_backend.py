@@ -3,7 +3,9 @@
     add(request) -> our waiting queue --admit (max_batch_size in vLLM at once)--> vLLM request "g{group}-s{sample}"
     step():  LLMEngine.step() (vLLM schedules, batches, prefills, decodes) -> DELTA outputs: each new
              token is stamped with the policy version loaded during that step; finished samples return
-    update_weights() between steps: bytes to the worker (vllm_worker.WeightLoader), then
+    update_weights() between steps (fetched by chunks, or received by broadcast in this process: the
+             generator's Receiver, in the Hugging Face layout of hf_layout): bytes to the worker
+             (vllm_worker.WeightLoader), then
              keep: running samples keep their KV (PipelineRL style);
              recompute: running samples are taken out and resubmitted as prompt + tokens so far, so
              vLLM recomputes their KV under the new weights (AReaL style);
@@ -58,6 +60,16 @@ def engine_environment(num_threads: int, cache_dir: str | Path) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     torch.set_num_threads(num_threads)
+
+
+def hf_layout(hf_config: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's state dict as meta tensors (names, shapes, dtypes; no weights read): what
+    the trainer publishes, so the layout a weights broadcast is received in (engine/core/broadcast.py)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return model.state_dict()
 
 
 def kv_cache_bytes(hf_config: Any, max_batch_size: int, max_model_len: int, dtype_bytes: int) -> int:
@@ -135,6 +147,11 @@ class VLLMBackend(EngineQueue):
         self._engine = llm.llm_engine
         self.speculative = llm.llm_engine.vllm_config.speculative_config is not None
         self._greedy_only = self.speculative and sampled_speculation_refused()
+        self._num_threads = torch.get_num_threads()  # the engine was built (and warmed up) with these
+        model_config = llm.llm_engine.vllm_config.model_config
+        # Weights by broadcast are received in this process (vLLM's engine core runs here) in this layout,
+        # then loaded through update_weights like fetched ones (service.broadcast_receiver).
+        self.broadcast_layout = hf_layout(model_config.hf_config, model_config.dtype)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -148,6 +165,8 @@ class VLLMBackend(EngineQueue):
 
     def step(self) -> list[Finished]:
         """Admit waiting samples (unless paused), run one vLLM engine step, return the finished."""
+        if torch.get_num_threads() != self._num_threads:  # the CPU attention checks its metadata's thread count
+            torch.set_num_threads(self._num_threads)  # per calling thread: the service steps in a worker thread
         if not self.pause_admission:
             self._admit()
         if not self._running:

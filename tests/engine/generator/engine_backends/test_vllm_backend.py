@@ -82,3 +82,73 @@ def test_tailrace_run_on_vllm_learns_with_exact_accounting(tmp_path):
     assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
     assert summary["reward_last"] > summary["reward_first"], summary
     assert max(summary["generator_policy_versions"].values()) >= 15  # weights reached the vLLM generators
+
+
+
+@pytest.mark.timeout(600)
+async def test_weights_by_broadcast_reach_the_vllm_backend_bit_equal(llm, tmp_path):
+    """A run's versions reach a vLLM-backend generator by the torch.distributed broadcast (gloo), beside a
+    torch-backend one (whose received versions tests/engine/test_weights_broadcast.py checks against the
+    trainer's): both receive the same bits for each version, and after the run vLLM samples exactly what the
+    torch backend samples with those weights. The trainer is a process of its own (in this process its
+    threads would change vLLM's CPU attention thread count). Last in this file: it restores the engine."""
+    import asyncio
+    import time
+
+    from tailrace.engine.generator.service import GeneratorService
+    from tests.engine.generator.backend_harness import tiny_model
+    from tests.engine.test_weights_broadcast import RUN, _bits
+
+    trainer = subprocess.Popen([sys.executable, "-m", "tailrace.engine.cli", "trainer", *RUN, "--train.steps", "3",
+                                "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "bcv"],
+                               cwd=ROOT, stdout=open(tmp_path / "trainer.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        endpoint = tmp_path / "bcv" / "endpoint.json"
+        deadline = time.monotonic() + 120
+        while not endpoint.is_file():
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "trainer.log").read_text()
+            await asyncio.sleep(0.2)
+        address = json.loads(endpoint.read_text())["address"]
+        received = {"vllm": {}, "torch": {}}
+        gens = []
+        for kind in ("vllm", "torch"):
+            cfg = load_config(None, [*RUN, "--generator.backend", kind, "--trainer.runs_dir", str(tmp_path)])
+            gen = GeneratorService(cfg, address, name=f"gen-{kind}",
+                                   make_backend=(lambda cfg: make_vllm(llm, 4)) if kind == "vllm" else None)
+            real = gen.backend.update_weights
+
+            def update_weights(weights, version, real=real, into=received[kind]):
+                into[version] = _bits(dict(weights))
+                real(weights, version)
+
+            gen.backend.update_weights = update_weights
+            if kind == "vllm":
+                gen.backend.close = lambda: None  # the session's shared engine outlives this generator
+            gens.append(gen)
+        await asyncio.wait_for(asyncio.gather(*(g.run() for g in gens)), 400)
+        assert trainer.wait(60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        summary = json.loads((tmp_path / "bcv" / "summary.json").read_text())
+        assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+        vllm_gen = gens[0]
+        assert received["vllm"] and vllm_gen.weights_by["chunks"] == 0, (sorted(received["vllm"]), vllm_gen.weights_by)
+        assert vllm_gen.weights_by["broadcast"] == len(received["vllm"])
+        both = sorted(set(received["vllm"]) & set(received["torch"]))
+        assert both, (sorted(received["vllm"]), sorted(received["torch"]))
+        for version in both:
+            for name, value in received["vllm"][version].items():
+                assert torch.equal(value, received["torch"][version][name]), f"v{version} {name}"
+        last = max(received["vllm"])
+        like = tiny_model().state_dict()  # the received bits as tensors again
+        weights = {k: v.view(like[k].dtype).view(like[k].shape) for k, v in received["vllm"][last].items()}
+        requests = [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=16))
+                    for i, p in enumerate(prompts(6, seed=9, max_len=16))]
+        reference = make_torch(8)
+        reference.update_weights(weights, last)
+        ours, theirs = run_to_idle(make_vllm(llm, 8), requests), run_to_idle(reference, requests)
+        for key, fin in theirs.items():
+            assert ours[key].completion_ids.tolist() == fin.completion_ids.tolist(), key
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        make_vllm(llm, 4).update_weights(tiny_model().state_dict(), 0)

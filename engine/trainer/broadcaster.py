@@ -1,0 +1,190 @@
+"""The trainer's side of weights by broadcast (engine/core/broadcast.py; protocol/SPEC.md, "Weights by broadcast").
+
+    publish.py --offer(version, state)--> Broadcaster.run (a task on the event loop)
+        picks the members: connected generators whose Hello offered our layout and backend, less the
+        excluded; re-forms the group when they changed; sends each member a broadcast WeightsNotice;
+        joins and broadcasts in a worker thread (asyncio.to_thread), so the event loop and the train loop
+        never wait for it; a newer version offered meanwhile is the next one sent (older ones are skipped)
+    generators --WeightsAck--> on_ack: not ok -> that generator is excluded (served by chunks from then on)
+
+One group for all members, re-formed when membership changes, rather than one small group per generator:
+measured with gloo on 2 CPU cores over loopback (tools/bench.py weights, `per_generator_s_by_n`;
+docs/weights-broadcast.md) the two are within noise of each other (N = 4, 64 MB: 0.47 s vs 0.46 s), and
+only a group of N+1 lets gloo / NCCL fan the bytes out so the trainer's egress stays ~1x the model on a
+real network. Its cost: a frozen member fails one version for all (they fetch it by chunks). A member that
+never joins is named by the bounded rendezvous (Group.join) and excluded; a failure mid-broadcast (a member
+killed or frozen) costs one timeout: the group is dropped, each member falls back to chunks by itself after
+its own bounded wait, and the next version re-forms the group. Test: pytest tests/engine/core/test_broadcast.py tests/faults/test_broadcast_faults.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from tailrace.engine.core.broadcast import Group, JoinFailed, fingerprint, layout_of, master_store, plan
+from tailrace.protocol import messages as m
+
+log = logging.getLogger("tailrace.trainer")
+
+
+def store_host(bind_address: str) -> str:
+    """Where the TCPStore listens: the host the trainer's ROUTER is bound to (ipc/inproc: loopback)."""
+    if not bind_address.startswith("tcp://"):
+        return "127.0.0.1"
+    host = bind_address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return "0.0.0.0" if host in ("*", "") else host
+
+
+def make_broadcaster(cfg: Any, server: Any, counters: collections.Counter) -> Broadcaster | None:
+    """The run's broadcaster, or None where trainer.weights_transport says chunks or CURVE is on (the
+    TCPStore is not authenticated)."""
+    t = cfg.trainer
+    if t.weights_transport != "auto" or t.curve_secret_key_file:
+        return None
+    return Broadcaster(server, counters, bucket_bytes=t.weights_bucket_bytes, timeout_s=t.weights_broadcast_timeout_s,
+                       device=cfg.model.device)
+
+
+def weights_summary(counters: collections.Counter, generator_stats: dict[str, m.Stats]) -> dict[str, dict]:
+    """For summary.json: how each generator took its versions, and the trainer's broadcast counters."""
+    return {"weights_by_generator": {name: {k: st.counters.get(f"generator/weights/{k}", 0.0)
+                                            for k in ("by_broadcast", "by_chunks", "broadcast_failed")}
+                                     for name, st in generator_stats.items()},
+            "weights_broadcast": {k.removeprefix("trainer/weights/"): v for k, v in counters.items()
+                                  if k.startswith("trainer/weights/")}}
+
+
+class Broadcaster:
+    def __init__(self, server: Any, counters: collections.Counter, *, bucket_bytes: int, timeout_s: float,
+                 device: Any = "cpu"):
+        import torch
+
+        self.server, self.counters = server, counters
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.device = torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.store: Any = None  # the TCPStore server, made at the first broadcast
+        self.group: Group | None = None
+        self.members: tuple[bytes, ...] = ()
+        self.num_groups = 0
+        self.excluded: set[bytes] = set()  # peer ids served by chunks from now on
+        self.received: dict[bytes, int] = {}  # peer id -> newest version broadcast to it
+        self.latest: tuple[int, dict, m.WeightsNotice] | None = None
+        self.layout = ""  # fingerprint of the published state dicts
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.last_s_by_version: dict[int, float] = {}
+
+    # ------------------------------------------------------------------------------------ from the service
+
+    def can_join(self, peer: Any) -> bool:
+        caps = peer.hello.capabilities
+        return (peer.role == "generator" and peer.id not in self.excluded and bool(self.layout)
+                and caps.get("weights_layout") == self.layout
+                and self.backend in str(caps.get("weights_broadcast", "")).split(","))
+
+    def offer(self, version: int, state: dict, notice: m.WeightsNotice) -> None:
+        if not self.layout:
+            self.layout = fingerprint(layout_of(state))
+        self.latest = (version, state, notice)
+        self.wake.set()
+
+    def membership_changed(self, peer: Any) -> None:
+        """A peer joined or left: the next pass re-forms the group (and serves a newcomer the latest)."""
+        if peer.event != "joined":
+            self.received.pop(peer.id, None)
+            self.excluded.discard(peer.id)
+        self.wake.set()
+
+    def on_ack(self, peer: Any, msg: m.WeightsAck) -> None:
+        if msg.ok:
+            self.counters["trainer/weights/broadcast_acks"] += 1
+            return
+        self.counters["trainer/weights/broadcast_refused"] += 1
+        log.warning("generator %s could not take version %d by broadcast (%s): serving it by chunks", peer.name,
+                    msg.version, msg.text)
+        self.exclude(peer.id)
+
+    def exclude(self, peer_id: bytes) -> None:
+        self.excluded.add(peer_id)
+        self.received.pop(peer_id, None)
+        self.wake.set()
+
+    # ------------------------------------------------------------------------------------ the task
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.latest is None:
+                    continue
+                version, state, notice = self.latest
+                peers = [p for p in self.server.peers.values() if self.can_join(p)]
+                if version > 0 and any(self.received.get(p.id, 0) < version for p in peers):
+                    await self.send(version, state, notice, peers)
+        finally:
+            await asyncio.to_thread(self.close)
+
+    async def send(self, version: int, state: dict, notice: m.WeightsNotice, peers: list) -> None:
+        ids = tuple(p.id for p in peers)
+        fresh = self.group is None or ids != self.members
+        if fresh:
+            await asyncio.to_thread(self.drop_group)
+            if self.store is None:
+                self.store = await asyncio.to_thread(master_store, store_host(self.server.address), self.timeout_s)
+            self.num_groups += 1
+            self.group = Group(self.store, f"w{self.num_groups}", 0, len(peers) + 1, backend=self.backend,
+                               timeout_s=self.timeout_s, device=self.device)
+            self.members = ids
+        group = self.group
+        address = f"{store_host(self.server.address)}:{self.store.port}"
+        for rank, peer in enumerate(peers, start=1):
+            await self.server.send(peer.id, msgspec.structs.replace(
+                notice, transport="broadcast", broadcast_store=address, broadcast_group=group.name,
+                broadcast_backend=self.backend, broadcast_rank=rank, broadcast_world_size=len(peers) + 1,
+                broadcast_bucket_bytes=self.bucket_bytes, broadcast_layout=self.layout,
+                broadcast_timeout_s=self.timeout_s))
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._broadcast, group, fresh, state)
+        except JoinFailed as exc:
+            self.counters["trainer/weights/broadcast_failed"] += 1
+            log.warning("weights v%d by broadcast: %s; excluding them, the others fall back to chunks", version, exc)
+            for rank in exc.missing:
+                self.exclude(peers[rank - 1].id)
+            await asyncio.to_thread(self.drop_group)
+        except Exception as exc:  # a lost or frozen member (gloo / NCCL error or timeout): bounded, not fatal
+            self.counters["trainer/weights/broadcast_failed"] += 1
+            log.warning("weights v%d by broadcast failed after %.1f s (%s: %s): group dropped, members fall back "
+                        "to chunks, the next version re-forms it", version, time.monotonic() - started,
+                        type(exc).__name__, exc)
+            await asyncio.to_thread(self.drop_group)
+        else:
+            self.counters["trainer/weights/broadcasts"] += 1
+            self.last_s_by_version[version] = time.monotonic() - started
+            for peer_id in ids:
+                self.received[peer_id] = version
+
+    def _broadcast(self, group: Group, fresh: bool, state: dict) -> None:
+        from tailrace.engine.core.broadcast import pack
+
+        if fresh:
+            group.join()
+        for _ in group.broadcast(plan(layout_of(state), self.bucket_bytes), lambda b: pack(b, state, group.device)):
+            pass
+
+    def drop_group(self) -> None:
+        group, self.group, self.members = self.group, None, ()
+        if group is not None:
+            group.close()
+
+    def close(self) -> None:
+        self.drop_group()
+        self.store = None

@@ -1,0 +1,150 @@
+"""Weights by broadcast through the real services, in one process: a TrainerService and torch-backend
+GeneratorServices over tcp loopback, the weights over a real gloo group. Every version a generator loads
+is bit-equal to what the trainer published for it; a generator that joins later gets the newest version by
+broadcast; one that cannot join (its store unreachable) or does not offer to is served by chunks; the run's
+accounting is exact. Faults with real processes and kill -9: tests/faults/test_broadcast_faults.py.
+
+Run: pytest tests/engine/test_weights_broadcast.py (the late joiner's run: add -m slow)
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from tailrace.engine.config import load_config
+from tailrace.engine.generator.service import GeneratorService
+from tailrace.engine.trainer.service import TrainerService
+from tailrace.protocol.messages import WeightsAck, WeightsFetch, WeightsNotice
+
+RUN = ["--train.groups_per_step", "1", "--sampling.group_size", "2", "--sampling.max_new_tokens", "8",
+       "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0", "--trainer.heartbeat_interval_s", "0.2",
+       "--trainer.stats_interval_s", "0.2", "--trainer.weights_broadcast_timeout_s", "3",
+       "--trainer.weights_bucket_bytes", "65536", "--generator.max_batch_size", "4", "--generator.speculation",
+       "false", "--controller.max_staleness", "1"]
+
+
+def _bits(state):
+    return {k: v.detach().reshape(-1).view(torch.uint8).clone() for k, v in state.items()}
+
+
+def _trainer(tmp_path, steps, *extra):
+    cfg = load_config(None, [*RUN, "--train.steps", str(steps), "--trainer.runs_dir", str(tmp_path),
+                             "--trainer.run_name", "bc", *extra])
+    service = TrainerService(cfg)
+    published = {}
+
+    def publish(model, version, state, _publish=service.store.publish):
+        if model == "policy":
+            published[version] = _bits(state)
+        return _publish(model, version, state)
+
+    service.store.publish = publish
+    return service, published
+
+
+def _generator(address, name, *extra):
+    gen = GeneratorService(load_config(None, [*RUN, *extra]), address, name=name)
+    loaded = {}  # version -> the model's bits right after loading it
+    real = gen.backend.update_weights
+
+    def update_weights(weights, version):
+        real(weights, version)
+        loaded[version] = _bits(gen.backend.model.state_dict())
+
+    gen.backend.update_weights = update_weights
+    return gen, loaded
+
+
+async def _address(service):
+    while service.server is None or not service.server.address.rpartition(":")[2].isdigit():
+        await asyncio.sleep(0.02)
+    return service.server.address
+
+
+def _assert_bit_equal(loaded, published, name):
+    assert loaded, f"{name} loaded no version"
+    for version, bits in loaded.items():
+        assert set(bits) == set(published[version]), name
+        for key, value in bits.items():
+            assert torch.equal(value, published[version][key]), f"{name} v{version} {key}"
+
+
+def _exact(summary):
+    assert summary["samples_handed_out"] == summary["samples_trained"] + sum(summary["discarded"].values())
+
+
+@pytest.mark.timeout(120)
+async def test_every_version_reaches_each_generator_bit_equal_by_broadcast(tmp_path):
+    trainer, published = _trainer(tmp_path, 3)
+    run = asyncio.create_task(trainer.run())
+    address = await _address(trainer)
+    gens = [_generator(address, f"gen-{i}") for i in range(2)]
+    tasks = [asyncio.create_task(g.run()) for g, _ in gens]
+    summary = await asyncio.wait_for(run, 90)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    _exact(summary)
+    for (gen, loaded), name in zip(gens, ("gen-0", "gen-1"), strict=True):
+        _assert_bit_equal(loaded, published, name)
+        assert gen.weights_by["broadcast"] == len(loaded) and gen.weights_by["chunks"] == 0, gen.weights_by
+    assert summary["weights_broadcast"]["broadcasts"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+async def test_a_late_joiner_gets_the_broadcast_and_one_that_cannot_join_gets_chunks(tmp_path):
+    trainer, published = _trainer(tmp_path, 8)
+    run = asyncio.create_task(trainer.run())
+    address = await _address(trainer)
+    first, first_loaded = _generator(address, "gen-0")
+    tasks = [asyncio.create_task(first.run())]
+    unreachable, unreachable_loaded = _generator(address, "gen-far")
+    real_receive = unreachable.receiver.receive
+    # Its notices name a store port nothing listens on: a real failed join, after the notice's timeout.
+    unreachable.receiver.receive = lambda notice: real_receive(
+        type(notice)(**{**{f: getattr(notice, f) for f in notice.__struct_fields__}, "broadcast_store": "127.0.0.1:1"}))
+    tasks.append(asyncio.create_task(unreachable.run()))
+    chunky, chunky_loaded = _generator(address, "gen-chunks", "--generator.weights_transport", "chunks")
+    tasks.append(asyncio.create_task(chunky.run()))
+    while trainer.learner.policy_version < 5:
+        await asyncio.sleep(0.05)
+        assert not run.done(), run
+    late, late_loaded = _generator(address, "gen-late")
+    tasks.append(asyncio.create_task(late.run()))
+    summary = await asyncio.wait_for(run, 150)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    _exact(summary)
+    for loaded, name in ((first_loaded, "gen-0"), (unreachable_loaded, "gen-far"), (chunky_loaded, "gen-chunks"),
+                         (late_loaded, "gen-late")):
+        _assert_bit_equal(loaded, published, name)
+    # Its first version (5 or later) came by broadcast: the trainer sent it no chunks notice on joining.
+    assert min(late_loaded) >= 5 and late.weights_by["chunks"] == 0 and late.weights_by["broadcast"] >= 1, \
+        (late_loaded.keys(), late.weights_by)
+    assert unreachable.weights_by["broadcast"] == 0 and unreachable.weights_by["chunks"] >= 1
+    assert unreachable.weights_by["broadcast_failed"] >= 1
+    assert summary["weights_broadcast"]["broadcast_refused"] >= 1
+    assert chunky.weights_by["broadcast"] == 0 and chunky.weights_by["chunks"] >= 1
+    assert first.weights_by["broadcast"] >= 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_broadcast_is_acknowledged_and_the_same_version_fetched_by_chunks():
+    gen = GeneratorService(load_config(None, RUN), "tcp://127.0.0.1:1", name="g")
+    sent = []
+
+    class Client:
+        async def send(self, msg):
+            sent.append(msg)
+
+    def receive(notice):
+        raise RuntimeError("Connection closed by peer")  # what gloo raises when a member dies mid-broadcast
+
+    gen.client, gen.receiver.receive = Client(), receive
+    await gen.on_broadcast_notice(WeightsNotice(
+        model="policy", version=3, num_chunks=2, num_tensors=38, total_bytes=1, transport="broadcast",
+        broadcast_store="127.0.0.1:1", broadcast_group="w1", broadcast_backend="gloo", broadcast_rank=1,
+        broadcast_world_size=2, broadcast_bucket_bytes=1024, broadcast_layout=gen.receiver.fingerprint,
+        broadcast_timeout_s=1.0))
+    assert isinstance(sent[0], WeightsAck) and not sent[0].ok and "Connection closed" in sent[0].text, sent
+    assert sent[1:] == [WeightsFetch(model="policy", version=3, chunk_index=0)]
+    assert gen.weights_by["broadcast_failed"] == 1 and gen.state.ready_weights is None
