@@ -78,7 +78,7 @@ def test_transformers_builds_a_model_from_the_repository_root():
 @pytest.mark.parametrize("command", [[str(BIN / "pytest")], [sys.executable, "-m", "pytest"]],
                          ids=["pytest", "python -m pytest"])
 def test_pytest_runs_from_the_repository_root(command):
-    """tests/engine's conftest imports a helper as tests.engine.generator.backend_harness: plain `pytest` too."""
+    """Plain `pytest` too: the conftest.py files load their helpers without the working directory on sys.path."""
     if not Path(command[0]).exists():
         pytest.skip("no pytest executable beside this interpreter")
     done = subprocess.run([*command, "-q", "-p", "no:cacheprovider", "tests/engine/trainer/test_loss.py"], cwd=ROOT,

@@ -28,6 +28,9 @@ dependencies point down, tools -> engine -> (kernels, protocol), as docs/archite
     engine/, kernels/, protocol/ import nothing of tools/ (benchmark machinery stays in tools/).
     everywhere          the import names are tailrace.*: no bare `engine`, `kernels` or `protocol`.
     no cycles           between modules, counting every import.
+    tests/              no test module imports another (bare `test_*` or `tests.*.test_*`), and nothing is
+                        imported as `tests.*` from the working directory: shared helpers are conftest.py
+                        fixtures, or non-test modules beside a conftest.py that pytest puts on sys.path.
 
 Run: pytest tests/test_layering.py
 """
@@ -165,6 +168,13 @@ def test_import_names_are_tailrace_everywhere():
     bare = [f"{module}:{line} imports {name}" for module, name, line in EDGES
             if name.split(".")[0] in INSTALLED]
     assert not bare
+
+
+def test_tests_import_no_test_module_and_nothing_as_tests():
+    found = [f"{module}:{line} imports {name}" for module, path in MODULES.items() if within(module, "tests")
+             for name, line in imported(module, path)
+             if name.split(".")[0] in ("tests", "conftest") or any(p.startswith("test_") for p in name.split("."))]
+    assert not found
 
 
 def test_no_import_cycles():

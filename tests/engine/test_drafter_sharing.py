@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.config import load_config
 from tailrace.engine.core.drafter import Drafter
@@ -189,12 +188,8 @@ async def test_trainer_relays_a_generator_drafter_to_the_others_and_serves_it_af
 
 
 @pytest.fixture(scope="module")
-def policy():
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def policy(tiny_lm):
+    return tiny_lm("qwen2", attn="sdpa", tie_word_embeddings=False).eval()
 
 
 class FakeClient:

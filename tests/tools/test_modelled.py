@@ -13,7 +13,6 @@ import types
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tools.benches.modelled as modelled_module
 from tailrace.engine.config import TrainConfig
@@ -39,15 +38,18 @@ SERVICE_USES = ("add", "step", "cancel", "update_weights", "capacity", "num_runn
                 "policy_version", "pause_admission", "stats", "max_model_len", "drain")
 
 
-def tiny_model():
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+@pytest.fixture(scope="module")
+def tiny_model(tiny_lm):
+    def tiny_model():
+        return tiny_lm("qwen2", attn="sdpa", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+                       max_position_embeddings=64).eval()
+
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tiny_model):
     return tiny_model()
 
 
@@ -258,7 +260,7 @@ def _group(group_id: int, lengths: list[int]) -> Group:
     return Group(group_id=group_id, samples=samples)
 
 
-def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(model):
+def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(model, tiny_model):
     learner = ModelledLearner(tiny_model(), TrainConfig(micro_batch_tokens=64, replay="naive"),
                               costs=make_costs(train=LinearCost(0.02, 1e-4)))
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
@@ -279,7 +281,7 @@ def test_modelled_learner_sleeps_and_advances_versions_without_touching_weights(
         learner.step([])
 
 
-def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model):
+def test_every_early_call_pays_the_measured_fixed_cost_of_a_call(model, tiny_model):
     """accumulate() sleeps a whole call (Costs.call), fixed part included, and a step the optimizer's share
     plus one call over the groups not accumulated: three early calls of one group each cost three fixed
     parts, as on the real learner, against one for a step that runs all four."""

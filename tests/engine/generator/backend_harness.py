@@ -1,6 +1,8 @@
 """Shared pieces of the backend conformance suite: building each backend on the shipped tiny model,
 driving it to idle, and the Hugging Face references (greedy, processed log-probs, in-flight updates).
-Used by tests/engine/generator/test_backend_conformance.py and tests/engine/generator/engine_backends/test_vllm_backend.py.
+Used by tests/engine/generator/test_backend_conformance.py and the tests in tests/engine/generator/engine_backends/,
+which import it by its bare name (their marks need it when the module loads): pytest puts this folder on
+sys.path for the conftest.py beside it.
 """
 
 from __future__ import annotations

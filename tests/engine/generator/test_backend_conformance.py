@@ -8,11 +8,7 @@ or recompute the KV. Run: pytest tests/engine/generator/test_backend_conformance
 
 import pytest
 import torch
-
-from tailrace.engine.generator.interface import Backend
-from tailrace.engine.generator.requests import Request, requests_for
-from tailrace.protocol.messages import SamplingParams, WorkItem
-from tests.engine.generator.backend_harness import (
+from backend_harness import (
     HAS_VLLM,
     hf_greedy,
     hf_keep_kv_continuation,
@@ -25,6 +21,10 @@ from tests.engine.generator.backend_harness import (
     run_to_idle,
     tiny_model,
 )
+
+from tailrace.engine.generator.interface import Backend
+from tailrace.engine.generator.requests import Request, requests_for
+from tailrace.protocol.messages import SamplingParams, WorkItem
 
 torch.set_num_threads(1)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, seed=7)

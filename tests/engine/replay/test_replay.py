@@ -1,88 +1,37 @@
 """Branch-replay and packed tries give the naive per-sample gradient: GRPO, PPO-clip off-policy, DPO, on
 tiny Llama / Qwen2 / Qwen3 / Mistral configs with grouped-query attention; budgets, learner, errors.
 
-float64 runs use `exact_norms`: Hugging Face's RMSNorm computes in float32 even in a float64 model, which
-alone leaves ~1e-8 relative differences between any two evaluation orders; with float64 norms the same
-models agree to ~1e-15, so 1e-9 tests the algorithm, not the norm's rounding.
+float64 runs use `exact_norms` (exact_model, tests/engine/conftest.py): Hugging Face's RMSNorm computes in
+float32 even in a float64 model, which alone leaves ~1e-8 relative differences between any two evaluation
+orders; with float64 norms the same models agree to ~1e-15, so 1e-9 tests the algorithm, not the norm's
+rounding.
 """
 
 import copy
-import types
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.losses import LossNormaliser
-from tailrace.engine.core.samples import Group, TrainSample
+from tailrace.engine.core.samples import Group
 from tailrace.engine.replay import dpo_loss
 from tailrace.engine.replay.packed import AutoForwardBackward, PackedForwardBackward, choose_mode
 from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.trainer.learner import (
-    Learner,
-    NaiveForwardBackward,
-    collate,
-    forward_logprobs,
-    sample_logprobs,
-)
+from tailrace.engine.trainer.learner import Learner, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
 torch.set_num_threads(1)
-VOCAB = 8
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
-
-
-def exact_norms(model):
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
-    return model
-
-
-def tiny_model(arch="llama", dtype=torch.float64, seed=0, **extra):
-    kwargs = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-                  tie_word_embeddings=arch == "qwen2", **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[arch](**kwargs)).to(dtype)
-    model.train()
-    return exact_norms(model) if dtype == torch.float64 else model
-
-
-_MODELS = {}
-
-
-def cached_model(arch, dtype=torch.float64, **extra):
-    key = (arch, dtype, tuple(sorted(extra.items())))
-    if key not in _MODELS:
-        _MODELS[key] = tiny_model(arch, dtype, **extra)
-    return _MODELS[key]
-
-
-def make_samples(seqs, prompt_lens, seed=0):
-    """Samples with their own advantage, temperature and behaviour log-probs (different per sample on the
-    tokens they share)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i, (seq, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
-        t = len(seq) - p
-        out.append(TrainSample(group_id=0, sample_id=i, prompt_ids=seq[:p], completion_ids=seq[p:],
-                               behaviour_logprobs=-1.5 - 2 * torch.rand(t, generator=gen),
-                               policy_versions=torch.zeros(t, dtype=torch.int64), reward=0.0,
-                               advantage=float(torch.randn((), generator=gen)), temperature=[1.0, 0.8][i % 2]))
-    return out
 
 
 @st.composite
 def tries(draw, max_samples=6, max_len=14):
-    """Samples that share prefixes: branches at any depth, copies, prefixes of one another, one-token runs."""
+    """Samples that share prefixes: branches at any depth, copies, prefixes of one another, one-token runs;
+    drawn as make_samples' arguments (seqs, prompt_lens, seed)."""
     tokens = st.integers(0, 2)
     seqs = []
     for _ in range(draw(st.integers(1, max_samples))):
@@ -93,7 +42,7 @@ def tries(draw, max_samples=6, max_len=14):
             seq = draw(st.lists(tokens, min_size=2, max_size=max_len))
         seqs.append(seq if len(seq) >= 2 else seq + [1])
     prompt_lens = [draw(st.integers(1, len(s) - 1)) for s in seqs]
-    return make_samples(seqs, prompt_lens, seed=draw(st.integers(0, 1000)))
+    return seqs, prompt_lens, draw(st.integers(0, 1000))
 
 
 def flat_grads(model, samples, strategy, loss_fn):
@@ -102,87 +51,71 @@ def flat_grads(model, samples, strategy, loss_fn):
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
-def rel_err(g, ref):
-    return float((g - ref).norm() / ref.norm()) if float(ref.norm()) > 0 else float(g.norm())
+@pytest.fixture(scope="module")
+def check_all_modes(rel_err):
+    def check_all_modes(model, samples, make_loss, tol, replay=None):
+        ref, ref_stats = flat_grads(model, samples, NaiveForwardBackward(100_000, 7), make_loss())
+        replay, stats = flat_grads(model, samples, replay or ReplayForwardBackward(5), make_loss())
+        packed, _ = flat_grads(model, samples, PackedForwardBackward(64, 5), make_loss())
+        assert rel_err(replay, ref) <= tol, rel_err(replay, ref)
+        assert rel_err(packed, ref) <= tol, rel_err(packed, ref)
+        assert rel_err(packed, replay) <= tol
+        for key in ("loss", "tokens", "clipped", "entropy"):
+            assert float(stats[key]) == pytest.approx(float(ref_stats[key]), rel=1e-6, abs=1e-9), key
+        return stats
 
-
-def ppo_loss(samples, model, aggregation="token_mean"):
-    """PPO-clip off-policy: a proximal policy per sample that differs from the current one, so ratios move
-    and clip; behaviour log-probs differ per sample even on shared tokens."""
-    gen = torch.Generator().manual_seed(len(samples))
-    current = sample_logprobs(model, samples, micro_batch_tokens=4096, chunk_rows=64)
-    prox = [lp.double() + 0.6 * torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.3 for lp in current]
-    cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0, aggregation=aggregation)
-    return StepLoss(samples, cfg, prox_logprobs=prox)
-
-
-def check_all_modes(model, samples, make_loss, tol, replay=None):
-    ref, ref_stats = flat_grads(model, samples, NaiveForwardBackward(100_000, 7), make_loss())
-    replay, stats = flat_grads(model, samples, replay or ReplayForwardBackward(5), make_loss())
-    packed, _ = flat_grads(model, samples, PackedForwardBackward(64, 5), make_loss())
-    assert rel_err(replay, ref) <= tol, rel_err(replay, ref)
-    assert rel_err(packed, ref) <= tol, rel_err(packed, ref)
-    assert rel_err(packed, replay) <= tol
-    for key in ("loss", "tokens", "clipped", "entropy"):
-        assert float(stats[key]) == pytest.approx(float(ref_stats[key]), rel=1e-6, abs=1e-9), key
-    return stats
+    return check_all_modes
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(samples=tries(), budget=st.sampled_from([None, 0]), batch_tokens=st.sampled_from([8192, 3]))
-def test_grpo_float64_random_tries(arch, samples, budget, batch_tokens):
+@given(trie=tries(), budget=st.sampled_from([None, 0]), batch_tokens=st.sampled_from([8192, 3]))
+def test_grpo_float64_random_tries(arch, trie, budget, batch_tokens, cached_exact_model, make_samples,
+                                   check_all_modes):
     """Budget 0 recomputes every inner segment; 3 tokens splits runs of sibling leaves."""
-    model = cached_model(arch)
+    samples = make_samples(*trie)
+    model = cached_exact_model(arch)
     replay = ReplayForwardBackward(5, activation_budget_bytes=budget, max_batch_tokens=batch_tokens)
     check_all_modes(model, samples, lambda: StepLoss(samples, LossConfig(is_cap=50.0)), 1e-9, replay)
 
 
 @pytest.mark.parametrize("arch,aggregation", [("llama", "sample_mean"), ("qwen2", "token_mean")])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(samples=tries())
-def test_ppo_off_policy_float64_random_tries(arch, aggregation, samples):
-    model = cached_model(arch)
+@given(trie=tries())
+def test_ppo_off_policy_float64_random_tries(arch, aggregation, trie, cached_exact_model, make_samples,
+                                             ppo_loss, check_all_modes):
+    samples = make_samples(*trie)
+    model = cached_exact_model(arch)
     check_all_modes(model, samples, lambda: ppo_loss(samples, model, aggregation), 1e-9)
-
-
-def group_samples(seed=0, num=6, prompt_len=9):
-    """A GRPO-like group: one prompt, completions sharing their first tokens in places."""
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
-    trunk = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
-    seqs = [prompt + trunk[: i % 4] + torch.randint(0, VOCAB, (1 + 2 * i,), generator=gen).tolist() for i in range(num)]
-    seqs.append(list(seqs[1]))  # an identical sample
-    seqs.append(seqs[3][: prompt_len + 2])  # a prefix of another
-    return make_samples(seqs, [prompt_len] * len(seqs), seed)
 
 
 @pytest.mark.parametrize("arch,extra", [("qwen3", {}), ("mistral", {"sliding_window": 4}),
                                         ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1})])
-def test_qk_norm_and_sliding_windows_float64(arch, extra):
-    model = cached_model(arch, **extra)
+def test_qk_norm_and_sliding_windows_float64(arch, extra, cached_exact_model, group_samples, ppo_loss,
+                                             check_all_modes):
+    model = cached_exact_model(arch, **extra)
     samples = group_samples(1)
     stats = check_all_modes(model, samples, lambda: ppo_loss(samples, model), 1e-9)
     assert 0 < float(stats["clipped"]) < float(stats["tokens"])  # the clip is active on some rows only
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_float32_within_1e5(arch):
-    model = cached_model(arch, torch.float32)
+def test_float32_within_1e5(arch, cached_exact_model, group_samples, ppo_loss, check_all_modes):
+    model = cached_exact_model(arch, torch.float32)
     samples = group_samples(2, num=8, prompt_len=20)
     check_all_modes(model, samples, lambda: ppo_loss(samples, model), 1e-5)
 
 
-def test_bfloat16_prefix_gradient_accumulates_in_float32():
-    model = tiny_model("qwen2", torch.bfloat16)
+def test_bfloat16_prefix_gradient_accumulates_in_float32(exact_model, group_samples, rel_err):
+    model = exact_model("qwen2", torch.bfloat16)
     samples = group_samples(3)
     ref, _ = flat_grads(model, samples, NaiveForwardBackward(100_000, 7), StepLoss(samples, LossConfig()))
     replay, _ = flat_grads(model, samples, ReplayForwardBackward(5), StepLoss(samples, LossConfig()))
     assert rel_err(replay.double(), ref.double()) < 3e-2
 
 
-def test_memory_budget_recomputes_with_the_same_gradient():
-    model = cached_model("llama")
+def test_memory_budget_recomputes_with_the_same_gradient(cached_exact_model, group_samples, rel_err):
+    model = cached_exact_model("llama")
     samples = group_samples(4)
     loss = lambda: StepLoss(samples, LossConfig(aggregation="sample_mean"))  # noqa: E731
     kept, kept_stats = flat_grads(model, samples, ReplayForwardBackward(5), loss())
@@ -196,25 +129,15 @@ def test_memory_budget_recomputes_with_the_same_gradient():
     assert float(stats["padded_tokens"]) == trie.num_forward_tokens + float(stats["recomputed_tokens"])
 
 
-def naive_dpo_grads(model, samples, pairs, ref_S, beta):
-    model.zero_grad(set_to_none=True)
-    mb = collate(samples, range(len(samples)), torch.device("cpu"))
-    logp, _ = forward_logprobs(model, mb, chunk_rows=7)
-    seq = torch.zeros(len(samples), dtype=logp.dtype).index_add(0, mb.sample_idx_N, logp)
-    c, r = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
-    loss = dpo_loss.dpo_loss(seq[c], seq[r], ref_S[c], ref_S[r], beta)
-    loss.backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]), float(loss.detach())
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_dpo_pairs_sharing_their_prompt(arch):
-    model = cached_model(arch)
+def test_dpo_pairs_sharing_their_prompt(arch, cached_exact_model, make_samples, naive_dpo_grads, rel_err,
+                                        exact_vocab):
+    model = cached_exact_model(arch)
     gen = torch.Generator().manual_seed(5)
     seqs, pairs = [], []
     for _ in range(3):
-        prompt = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
-        chosen, rejected = (prompt + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 3))
+        prompt = torch.randint(0, exact_vocab, (6,), generator=gen).tolist()
+        chosen, rejected = (prompt + torch.randint(0, exact_vocab, (n,), generator=gen).tolist() for n in (5, 3))
         pairs.append((len(seqs), len(seqs) + 1))
         seqs += [chosen, rejected]
     samples = make_samples(seqs, [6] * len(seqs))
@@ -229,8 +152,8 @@ def test_dpo_pairs_sharing_their_prompt(arch):
 
 
 @pytest.mark.parametrize("replay", ["replay", "packed", "auto"])
-def test_learner_step_equals_naive_step(replay):
-    base = cached_model("qwen2")
+def test_learner_step_equals_naive_step(replay, cached_exact_model, group_samples, rel_err):
+    base = cached_exact_model("qwen2")
     gen = torch.Generator().manual_seed(7)
     groups = []
     for g in range(2):
@@ -251,16 +174,18 @@ def test_learner_step_equals_naive_step(replay):
     assert metrics["trainer/strategy/unique_tokens"] < metrics["trainer/strategy/logical_tokens"]
 
 
-def test_auto_picks_packed_for_many_short_branches_and_replay_for_long_tails():
-    model = cached_model("llama")
+def test_auto_picks_packed_for_many_short_branches_and_replay_for_long_tails(cached_exact_model,
+                                                                             make_samples, exact_vocab):
+    model = cached_exact_model("llama")
     gen = torch.Generator().manual_seed(0)
     bushy = []  # a tree-sampled group: forks every two tokens
     frontier = [[1, 2, 3]]
     for _ in range(5):
-        frontier = [f + torch.randint(0, VOCAB, (2,), generator=gen).tolist() for f in frontier for _ in range(2)]
+        frontier = [f + torch.randint(0, exact_vocab, (2,), generator=gen).tolist() for f in frontier for _ in range(2)]
     bushy = make_samples(frontier, [3] * len(frontier))
-    prompt = torch.randint(0, VOCAB, (2000,), generator=gen).tolist()
-    tails = make_samples([prompt + torch.randint(0, VOCAB, (300,), generator=gen).tolist() for _ in range(8)], [2000] * 8)
+    prompt = torch.randint(0, exact_vocab, (2000,), generator=gen).tolist()
+    tails = make_samples([prompt + torch.randint(0, exact_vocab, (300,), generator=gen).tolist() for _ in range(8)],
+                         [2000] * 8)
     assert choose_mode(model, build_trie(bushy), max_tokens=4096, budget_bytes=1 << 30) == "packed"
     assert choose_mode(model, build_trie(tails), max_tokens=4096, budget_bytes=1 << 30) == "replay"
     assert choose_mode(model, build_trie(bushy), max_tokens=4096, budget_bytes=0) == "replay"
@@ -269,16 +194,16 @@ def test_auto_picks_packed_for_many_short_branches_and_replay_for_long_tails():
     assert float(stats["packed_calls"]) == 1.0
 
 
-def test_unsupported_architectures_are_named():
+def test_unsupported_architectures_are_named(group_samples, exact_model, exact_vocab):
     from transformers import GPT2Config, MambaConfig
 
     samples = group_samples(0)
     loss = StepLoss(samples, LossConfig())
     norm = LossNormaliser.from_samples(samples)
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB,
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=exact_vocab,
                                                        bos_token_id=0, eos_token_id=0))
-    mamba = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=VOCAB))
-    hybrid = tiny_model("qwen2", torch.float32)
+    mamba = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=exact_vocab))
+    hybrid = exact_model("qwen2", torch.float32)
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
     for model, match in ((gpt2, "gpt2"), (mamba, "mamba"), (hybrid, "linear_attention")):
         for strategy in (ReplayForwardBackward(), PackedForwardBackward()):
@@ -357,9 +282,11 @@ def test_train_config_accepts_the_replay_modes():
 
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(samples=tries(max_samples=9, max_len=24), arch=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
+@given(trie=tries(max_samples=9, max_len=24), arch=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
        budget=st.sampled_from([None, 0]), loss=st.sampled_from(["grpo", "ppo"]))
-def test_many_random_tries_all_families_float64(samples, arch, budget, loss):
-    model = cached_model(arch, **({"sliding_window": 5} if arch == "mistral" else {}))
+def test_many_random_tries_all_families_float64(trie, arch, budget, loss, cached_exact_model, make_samples,
+                                                ppo_loss, check_all_modes):
+    samples = make_samples(*trie)
+    model = cached_exact_model(arch, **({"sliding_window": 5} if arch == "mistral" else {}))
     make = (lambda: ppo_loss(samples, model)) if loss == "ppo" else (lambda: StepLoss(samples, LossConfig()))
     check_all_modes(model, samples, make, 1e-9, ReplayForwardBackward(5, activation_budget_bytes=budget))

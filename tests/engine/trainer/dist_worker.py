@@ -13,22 +13,23 @@ exit hard in the middle of step N (after its forward, before the gradient reduct
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 VOCAB = 64
 
 
 def tiny_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
-    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
-    tied = arch == "qwen2"
-    config = (Qwen2Config if tied else LlamaConfig)(**kwargs, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(dtype)
+    """The trainer tests' learner_model (tests/engine/trainer/conftest.py) with room for 256 positions,
+    from the tests' one builder, tests/tiny_lms.py, loaded by its path (this script runs outside pytest)."""
+    spec = importlib.util.spec_from_file_location("tiny_lms", Path(__file__).resolve().parents[2] / "tiny_lms.py")
+    tiny_lms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_lms)
+    return tiny_lms.build(arch, dtype=dtype, max_position_embeddings=256, tie_word_embeddings=arch == "qwen2")
 
 
 def batches():

@@ -5,43 +5,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tailrace.engine.config import TrainConfig
-from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import checkpoint
 from tailrace.engine.trainer.learner import Learner
 
 torch.set_num_threads(1)
 VOCAB = 64
-
-
-def tiny_model(seed, dropout=0.0):
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                         tie_word_embeddings=True, attention_dropout=dropout)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
-
-
-def batches(num_steps, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for step in range(num_steps):
-        groups = []
-        for g in range(2):
-            prompt = torch.randint(0, VOCAB, (4,), generator=gen)
-            samples = []
-            for i in range(3):
-                t = int(torch.randint(1, 8, (), generator=gen))
-                samples.append(TrainSample(
-                    group_id=10 * step + g, sample_id=i, prompt_ids=prompt,
-                    completion_ids=torch.randint(0, VOCAB, (t,), generator=gen),
-                    behaviour_logprobs=-4.0 - torch.rand(t, generator=gen),
-                    policy_versions=torch.full((t,), max(0, step - 1)), reward=float(i == g)))
-            groups.append(Group(group_id=10 * step + g, samples=samples))
-        out.append(groups)
-    return out
 
 
 def config():
@@ -50,13 +21,13 @@ def config():
                        micro_batch_tokens=24, seed=7, replay="naive")
 
 
-def test_resume_is_exact(tmp_path):
-    data = batches(4)
-    straight = Learner(tiny_model(0, dropout=0.2), config())
+def test_resume_is_exact(tmp_path, checkpoint_batches, tied_model):
+    data = checkpoint_batches(4)
+    straight = Learner(tied_model(0, dropout=0.2), config())
     for batch in data:
         straight.step(batch)
 
-    first = Learner(tiny_model(0, dropout=0.2), config())
+    first = Learner(tied_model(0, dropout=0.2), config())
     for batch in data[:2]:
         first.step(batch)
     folder = checkpoint.save(tmp_path, first, data_position={"epoch": 0, "next": 12}, counters={"trained": 12})
@@ -64,7 +35,7 @@ def test_resume_is_exact(tmp_path):
 
     # A fresh process: different initial weights, fresh optimizer and RNG; load must overwrite all of it.
     torch.manual_seed(1234)
-    resumed = Learner(tiny_model(123, dropout=0.2), config())
+    resumed = Learner(tied_model(123, dropout=0.2), config())
     state = checkpoint.load(folder, resumed)
     assert state["data_position"] == {"epoch": 0, "next": 12} and state["counters"] == {"trained": 12}
     assert (resumed.step_count, resumed.policy_version) == (2, 2)
@@ -81,12 +52,12 @@ def test_resume_is_exact(tmp_path):
     assert straight.scheduler.state_dict() == resumed.scheduler.state_dict()
 
 
-def test_rng_states_round_trip(tmp_path):
-    learner = Learner(tiny_model(0), TrainConfig(replay="naive"))
+def test_rng_states_round_trip(tmp_path, tied_model):
+    learner = Learner(tied_model(0), TrainConfig(replay="naive"))
     folder = checkpoint.save(tmp_path, learner, data_position={})
     expected = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     torch.manual_seed(99), np.random.seed(99), random.seed(99)
-    checkpoint.load(folder, Learner(tiny_model(1), TrainConfig(replay="naive")))
+    checkpoint.load(folder, Learner(tied_model(1), TrainConfig(replay="naive")))
     # Learner() reseeds; load must bring back the streams as they were at save time.
     got = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1]) and expected[2] == got[2]
@@ -101,15 +72,15 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-def test_checkpoint_loads_with_transformers(tmp_path):
-    learner = Learner(tiny_model(0), TrainConfig(lr=1e-2, replay="naive"))
-    learner.step(batches(1)[0])
+def test_checkpoint_loads_with_transformers(tmp_path, tied_model, checkpoint_batches):
+    learner = Learner(tied_model(0), TrainConfig(lr=1e-2, replay="naive"))
+    learner.step(checkpoint_batches(1)[0])
     folder = checkpoint.save(tmp_path, learner, data_position={}, tokenizer=_tokenizer())
     assert any(p.suffix == ".safetensors" for p in folder.iterdir())
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     for name, tensor in learner.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    learner.step(batches(2)[1])
+    learner.step(checkpoint_batches(2)[1])
     checkpoint.save(tmp_path, learner, data_position={})
     newest = AutoModelForCausalLM.from_pretrained(tmp_path / "latest")  # what the docs tell a user to load
     for name, tensor in learner.model.state_dict().items():
@@ -120,9 +91,9 @@ def test_checkpoint_loads_with_transformers(tmp_path):
     assert PreTrainedTokenizerFast.from_pretrained(folder)("t3 t5")["input_ids"] == [3, 5]
 
 
-def test_atomic_save_keep_last_and_latest(tmp_path):
-    learner = Learner(tiny_model(0), TrainConfig(lr=1e-2, replay="naive"))
-    data = batches(3)
+def test_atomic_save_keep_last_and_latest(tmp_path, checkpoint_batches, tied_model):
+    learner = Learner(tied_model(0), TrainConfig(lr=1e-2, replay="naive"))
+    data = checkpoint_batches(3)
     (tmp_path / ".tmp-step_000009").mkdir()  # a crashed save's leftover is never a checkpoint
     (tmp_path / "step_000008").mkdir()  # nor is a folder without trainer_state.json
     assert checkpoint.latest(tmp_path) is None
@@ -134,7 +105,7 @@ def test_atomic_save_keep_last_and_latest(tmp_path):
     assert not list(tmp_path.glob(".tmp-step_00000[1-3]"))
     # Saving the same step again replaces it whole.
     again = checkpoint.save(tmp_path, learner, data_position={"again": True}, keep_last=2)
-    assert checkpoint.load(again, Learner(tiny_model(1), TrainConfig(replay="naive")))["data_position"] == {"again": True}
+    assert checkpoint.load(again, Learner(tied_model(1), TrainConfig(replay="naive")))["data_position"] == {"again": True}
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / "step_000008", learner)
     with pytest.raises(ValueError, match="keep_last"):

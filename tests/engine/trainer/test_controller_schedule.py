@@ -11,10 +11,10 @@ import itertools
 from dataclasses import replace
 
 import pytest
+from sched_sim import Sample, Workload, simulate
 
 from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.trainer.controller import Controller
-from tests.engine.trainer.sched_sim import Sample, Workload, simulate
 
 DEFAULT = Workload(steps=24)
 # Lengths like the papers' (p99 / median well over 8), a policy three times as deep (costs x 3).

@@ -22,7 +22,6 @@ from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
 from tailrace.engine.trainer.dpo_loop import DPOLearner, DPOTrainer, pair_samples
 from tailrace.engine.trainer.learner import sample_logprobs
-from tests.engine.replay.test_replay import VOCAB, cached_model, naive_dpo_grads, rel_err, tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
 torch.set_num_threads(1)
@@ -100,17 +99,19 @@ def test_bad_rows_name_the_row_and_field(tmp_path, row, match):
 
 
 @pytest.mark.parametrize("replay", ["replay", "packed", "auto"])
-def test_learner_gradient_equals_naive_dpo_gradient(replay):
+def test_learner_gradient_equals_naive_dpo_gradient(replay, exact_model, naive_dpo_grads, cached_exact_model,
+                                                    rel_err, exact_vocab):
     """DPOLearner.backward (what the trainer mode runs, reference log-probs over the trie included) gives
     the gradient of the DPO loss backpropagated through naive per-sample forwards."""
     gen = torch.Generator().manual_seed(3)
     pairs = []
     for i in range(3):
-        prompt = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
-        pairs.append(PreferencePair(i, prompt, *(torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 3))))
+        prompt = torch.randint(0, exact_vocab, (6,), generator=gen).tolist()
+        pairs.append(PreferencePair(i, prompt, *(torch.randint(0, exact_vocab, (n,), generator=gen).tolist()
+                                                 for n in (5, 3))))
     pairs.append(PreferencePair(3, pairs[0].prompt_ids, [1, 2], [1, 3]))  # shares a prompt with pair 0
-    ref = tiny_model("llama", seed=1)  # a reference unlike the policy, so that its log-probs matter
-    model = copy.deepcopy(cached_model("llama"))
+    ref = exact_model("llama", seed=1)  # a reference unlike the policy, so that its log-probs matter
+    model = copy.deepcopy(cached_exact_model("llama"))
     learner = DPOLearner(model, TrainConfig(replay=replay, micro_batch_tokens=64, dpo_beta=0.5), ref_model=ref)
     samples, stats = learner.backward(pairs)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -121,8 +122,8 @@ def test_learner_gradient_equals_naive_dpo_gradient(replay):
     assert float(stats["unique_tokens"]) < float(stats["logical_tokens"])  # shared prompts ran once
 
 
-def test_policy_equal_to_reference_has_zero_margin():
-    samples_model = cached_model("llama")
+def test_policy_equal_to_reference_has_zero_margin(cached_exact_model):
+    samples_model = cached_exact_model("llama")
     learner = DPOLearner(copy.deepcopy(samples_model), TrainConfig(replay="replay", dpo_beta=0.1))
     metrics = learner.step([PreferencePair(0, [1, 2, 3], [4, 5], [6])])
     assert metrics["trainer/dpo/reward_margin"] == pytest.approx(0.0, abs=1e-12)

@@ -17,18 +17,20 @@ from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import Learner, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
-from tests.engine.replay.test_replay import group_samples, make_samples, rel_err, tiny_model
-from tests.engine.trainer.test_ppo import LOSS_SETTINGS, make_groups
 
 STRATEGIES = {"naive": lambda: NaiveForwardBackward(4096, 5), "replay": lambda: ReplayForwardBackward(5),
               "packed": lambda: PackedForwardBackward(4096, 5)}
 
 
-def checkpointed_pair(arch="llama", **extra):
-    """The same weights twice: plain, and with gradient checkpointing installed as the learner does."""
-    plain = dist.shard_model(tiny_model(arch, **extra), FSDPConfig())
-    checkpointed = dist.shard_model(tiny_model(arch, **extra), FSDPConfig(), checkpointing=True)
-    return plain, checkpointed
+@pytest.fixture(scope="module")
+def checkpointed_pair(exact_model):
+    def checkpointed_pair(arch="llama", **extra):
+        """The same weights twice: plain, and with gradient checkpointing installed as the learner does."""
+        plain = dist.shard_model(exact_model(arch, **extra), FSDPConfig())
+        checkpointed = dist.shard_model(exact_model(arch, **extra), FSDPConfig(), checkpointing=True)
+        return plain, checkpointed
+
+    return checkpointed_pair
 
 
 def grads_and_saved_bytes(model, samples, strategy):
@@ -50,7 +52,7 @@ def grads_and_saved_bytes(model, samples, strategy):
 
 @pytest.mark.parametrize("mode", sorted(STRATEGIES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_checkpointing_keeps_the_gradient_float64(mode, arch):
+def test_checkpointing_keeps_the_gradient_float64(mode, arch, checkpointed_pair, group_samples, rel_err):
     plain, checkpointed = checkpointed_pair(arch)
     samples = group_samples(3)
     expected, _ = grads_and_saved_bytes(plain, samples, STRATEGIES[mode]())
@@ -59,7 +61,7 @@ def test_checkpointing_keeps_the_gradient_float64(mode, arch):
 
 
 @pytest.mark.parametrize("mode", sorted(STRATEGIES))
-def test_checkpointing_saves_activations_on_a_long_sequence(mode):
+def test_checkpointing_saves_activations_on_a_long_sequence(mode, checkpointed_pair, make_samples):
     plain, checkpointed = checkpointed_pair()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 8, (160,), generator=gen).tolist()
@@ -72,15 +74,16 @@ def test_checkpointing_saves_activations_on_a_long_sequence(mode):
 
 
 @pytest.mark.parametrize("replay", ["naive", "replay"])
-def test_learner_step_with_checkpointing_and_ppo_epochs_is_the_same(replay):
+def test_learner_step_with_checkpointing_and_ppo_epochs_is_the_same(replay, exact_model, rel_err, ppo_clip,
+                                                                    ppo_groups):
     """Also the proximal forward (no autograd) runs through the checkpointed layers."""
-    base = tiny_model("qwen2")
+    base = exact_model("qwen2")
     params = []
     for checkpointing in (False, True):
         model = copy.deepcopy(base)
         config = TrainConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, micro_batch_tokens=64,
-                             gradient_checkpointing=checkpointing, **LOSS_SETTINGS)
-        Learner(model, config).step(make_groups())
+                             gradient_checkpointing=checkpointing, **ppo_clip)
+        Learner(model, config).step(ppo_groups())
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     before = torch.cat([p.detach().flatten() for p in base.parameters()])
     assert rel_err(params[1] - before, params[0] - before) <= 1e-9

@@ -5,11 +5,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from tailrace.engine.config import TrainConfig
 from tailrace.engine.core.losses import LossNormaliser
-from tailrace.engine.core.samples import Group, TrainSample
 from tailrace.engine.trainer import dist
 from tailrace.engine.trainer.learner import (
     Learner,
@@ -23,35 +21,6 @@ from tailrace.kernels.logprobs import chunked_logprobs
 
 torch.set_num_threads(1)
 VOCAB = 64
-
-
-def tiny_model(arch="qwen2", dtype=torch.float32, seed=0):
-    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
-    tied = arch == "qwen2"  # cover both a tied and an untied LM head
-    config = (Qwen2Config if tied else LlamaConfig)(**kwargs, tie_word_embeddings=tied)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).to(dtype)
-
-
-def make_groups(seed, num_groups=2, group_size=3, prompt_len=(2, 7), completion_len=(1, 9)):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rint(lo, hi):
-        return int(torch.randint(lo, hi, (), generator=gen))
-
-    groups = []
-    for g in range(num_groups):
-        prompt = torch.randint(0, VOCAB, (rint(*prompt_len),), generator=gen)
-        samples = []
-        for i in range(group_size):
-            t = rint(*completion_len)
-            samples.append(TrainSample(
-                group_id=g, sample_id=i, prompt_ids=prompt, completion_ids=torch.randint(0, VOCAB, (t,), generator=gen),
-                behaviour_logprobs=-4.0 - torch.rand(t, generator=gen), policy_versions=torch.zeros(t, dtype=torch.int64),
-                reward=float(torch.rand((), generator=gen)), temperature=[1.0, 0.7, 1.3][i % 3]))
-        groups.append(Group(group_id=g, samples=samples))
-    return groups
 
 
 def test_chunked_logprobs_match_full_log_softmax():
@@ -101,12 +70,12 @@ def _reference_grads(model, samples, cfg):
 
 
 @pytest.mark.parametrize("arch,aggregation", [("qwen2", "token_mean"), ("llama", "sample_mean")])
-def test_micro_batching_gives_the_same_gradient(arch, aggregation):
-    model = tiny_model(arch, torch.float64)
+def test_micro_batching_gives_the_same_gradient(arch, aggregation, learner_model, learner_groups):
+    model = learner_model(arch, torch.float64)
     model.train()
-    samples = [s for g in make_groups(2, num_groups=2, group_size=3) for s in g.samples]
+    samples = [s for g in learner_groups(2, num_groups=2, group_size=3) for s in g.samples]
     cfg = LossConfig(aggregation=aggregation, is_cap=50.0)
-    assign_advantages(make_groups(2, num_groups=2, group_size=3), cfg)  # same rewards -> same advantages
+    assign_advantages(learner_groups(2, num_groups=2, group_size=3), cfg)  # same rewards -> same advantages
     for i, s in enumerate(samples):
         s.advantage = [0.7, -1.2, 0.4][i % 3] * (1 + i)
     expected = _reference_grads(model, samples, cfg)
@@ -125,9 +94,9 @@ def _surrogate(model, samples):
     return total / sum(s.num_completion_tokens for s in samples)
 
 
-def test_step_improves_the_objective_on_a_fixed_batch():
-    model = tiny_model()
-    groups = make_groups(3, num_groups=3, group_size=4)
+def test_step_improves_the_objective_on_a_fixed_batch(learner_model, learner_groups):
+    model = learner_model()
+    groups = learner_groups(3, num_groups=3, group_size=4)
     samples = [s for g in groups for s in g.samples]
     # On-policy data: behaviour log-probs from the model itself, so w = 1 at the first step.
     for s, lp in zip(samples, sample_logprobs(model, samples, micro_batch_tokens=256, chunk_rows=64), strict=True):
@@ -148,22 +117,22 @@ def test_step_improves_the_objective_on_a_fixed_batch():
     assert metrics["trainer/staleness/max"] == 2.0  # samples of version 0 trained at version 2
 
 
-def test_kl_to_reference_and_validation():
-    model = tiny_model()
+def test_kl_to_reference_and_validation(learner_model, learner_groups):
+    model = learner_model()
     with pytest.raises(ValueError, match="train.kl_coef"):
         Learner(model, TrainConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="train.replay"):
         TrainConfig(replay="nope")
     learner = Learner(model, TrainConfig(lr=1e-2, kl_coef=0.5, replay="naive"), ref_model=copy.deepcopy(model))
-    groups = make_groups(4)
+    groups = learner_groups(4)
     first = learner.step(groups)
     assert first["trainer/policy/kl_ref"] == pytest.approx(0.0, abs=1e-12)
     second = learner.step(groups)
     assert second["trainer/policy/kl_ref"] > 0.0 and second["trainer/loss/kl"] > 0.0
 
 
-def test_non_finite_gradient_skips_the_update():
-    model = tiny_model()
+def test_non_finite_gradient_skips_the_update(learner_model, learner_groups):
+    model = learner_model()
 
     def poisoned(model, samples, loss_fn, normaliser):
         for p in model.parameters():
@@ -172,25 +141,25 @@ def test_non_finite_gradient_skips_the_update():
 
     learner = Learner(model, TrainConfig(lr=1e-2, replay="naive"), forward_backward=poisoned)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    metrics = learner.step(make_groups(5))
+    metrics = learner.step(learner_groups(5))
     assert metrics["trainer/grad/skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert learner.policy_version == 1
 
 
-def test_broadcast_snapshot_is_a_frozen_copy():
-    model = tiny_model()  # Qwen2 config ties embedding and LM head
+def test_broadcast_snapshot_is_a_frozen_copy(learner_model, learner_groups):
+    model = learner_model()  # Qwen2 config ties embedding and LM head
     learner = Learner(model, TrainConfig(lr=1e-2, replay="naive"))
     snapshot = learner.state_dict_for_broadcast()
     frozen = {k: v.clone() for k, v in snapshot.items()}
-    learner.step(make_groups(6))
+    learner.step(learner_groups(6))
     assert all(torch.equal(frozen[k], snapshot[k]) for k in snapshot)
     assert not torch.equal(snapshot["model.norm.weight"], model.model.norm.weight.detach())
     assert snapshot["lm_head.weight"] is snapshot["model.embed_tokens.weight"]
     assert all(t.device.type == "cpu" for t in snapshot.values())
 
 
-def test_lr_schedules():
+def test_lr_schedules(learner_model, learner_groups):
     warm_cos = LRSchedule("cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     assert [warm_cos(s) for s in range(2)] == [0.5, 1.0]
     assert warm_cos(2) == 1.0 and warm_cos(4) == pytest.approx(0.55) and warm_cos(6) == pytest.approx(0.1)
@@ -200,12 +169,12 @@ def test_lr_schedules():
     assert LRSchedule("constant", 0, 0, 0.0)(10) == 1.0
     with pytest.raises(ValueError, match="train.steps: cosine decay needs train.steps > train.warmup_steps"):
         TrainConfig(lr_schedule="cosine", warmup_steps=5, steps=5)
-    learner = Learner(tiny_model(), TrainConfig(lr=1e-3, lr_schedule="linear", steps=4, replay="naive"))
-    lrs = [learner.step(make_groups(7, num_groups=1))["trainer/lr"] for _ in range(3)]
+    learner = Learner(learner_model(), TrainConfig(lr=1e-3, lr_schedule="linear", steps=4, replay="naive"))
+    lrs = [learner.step(learner_groups(7, num_groups=1))["trainer/lr"] for _ in range(3)]
     assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4])
 
 
-def test_the_learner_takes_every_setting_from_the_train_section():
+def test_the_learner_takes_every_setting_from_the_train_section(learner_model, learner_groups):
     """TrainConfig is the learner's one source: each optimizer, schedule, loss and strategy setting set to
     a value other than its default reaches what the learner built."""
     train = TrainConfig(lr=2e-3, betas=(0.8, 0.95), adam_eps=1e-6, weight_decay=0.05, lr_schedule="cosine",
@@ -213,7 +182,7 @@ def test_the_learner_takes_every_setting_from_the_train_section():
                         loss_agg="sample_mean", adv_norm_std=False, micro_batch_tokens=48, logprob_chunk_tokens=5,
                         log_entropy=False, replay="naive", seed=11)
     torch.manual_seed(0)
-    learner = Learner(tiny_model(), train)
+    learner = Learner(learner_model(), train)
     assert torch.initial_seed() == 11
     decay, no_decay = learner.optimizer.param_groups
     assert (decay["betas"], decay["eps"], decay["weight_decay"], no_decay["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.05, 0.0)
@@ -221,7 +190,7 @@ def test_the_learner_takes_every_setting_from_the_train_section():
                                       scale_advantages=False)
     strategy = learner.forward_backward
     assert (strategy.micro_batch_tokens, strategy.logprob_chunk_tokens, strategy.log_entropy) == (48, 5, False)
-    metrics = [learner.step(make_groups(8, num_groups=1)) for _ in range(3)]
+    metrics = [learner.step(learner_groups(8, num_groups=1)) for _ in range(3)]
     assert [m["trainer/lr"] for m in metrics] == pytest.approx([2e-3, 2e-3, 2e-3 * (0.25 + 0.75 * 0.5)])
     assert not any("entropy" in key for key in metrics[0])
 

@@ -17,7 +17,6 @@ import torch
 
 from tailrace.engine.config import TrainConfig
 from tailrace.engine.trainer.learner import Learner
-from tests.engine.trainer.test_learner import make_groups, tiny_model
 
 
 def _learner(model, aggregation: str, replay: str) -> Learner:
@@ -29,11 +28,12 @@ def _learner(model, aggregation: str, replay: str) -> Learner:
 @pytest.mark.parametrize("aggregation,group_size,replay,rel", [
     ("token_mean", 3, "naive", 1e-9), ("sample_mean", 4, "naive", 1e-9), ("token_mean", 3, "replay", 1e-9),
     ("sample_mean", 3, "naive", 1e-6)])
-def test_accumulated_groups_give_the_same_step(aggregation, group_size, replay, rel):
-    model = tiny_model("llama", torch.float64)
+def test_accumulated_groups_give_the_same_step(aggregation, group_size, replay, rel, learner_model,
+                                               learner_groups):
+    model = learner_model("llama", torch.float64)
     whole, early = _learner(model, aggregation, replay), _learner(model, aggregation, replay)
-    expected = whole.step(make_groups(5, num_groups=4, group_size=group_size))
-    batch = make_groups(5, num_groups=4, group_size=group_size)
+    expected = whole.step(learner_groups(5, num_groups=4, group_size=group_size))
+    batch = learner_groups(5, num_groups=4, group_size=group_size)
     assert early.accumulate([batch[2]]) and early.accumulate([batch[0], batch[3]])
     got = early.step(batch)
     assert got["trainer/accumulated_groups"] == 3.0
@@ -42,14 +42,14 @@ def test_accumulated_groups_give_the_same_step(aggregation, group_size, replay, 
     for (name, a), b in zip(whole.model.named_parameters(), early.model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=rel, atol=1e-12 if rel < 1e-6 else 1e-5, msg=name)  # Adam amplifies grads near eps
     # the next step starts clean: nothing accumulated carries over
-    again_whole = whole.step(make_groups(6, num_groups=2, group_size=3))
-    again_early = early.step(make_groups(6, num_groups=2, group_size=3))
+    again_whole = whole.step(learner_groups(6, num_groups=2, group_size=3))
+    again_early = early.step(learner_groups(6, num_groups=2, group_size=3))
     assert again_early["trainer/grad/norm"] == pytest.approx(again_whole["trainer/grad/norm"], rel=max(rel, 1e-6))
 
 
-def test_a_batch_without_the_accumulated_groups_is_refused():
-    learner = _learner(tiny_model("llama", torch.float64), "token_mean", "naive")
-    batch = make_groups(7, num_groups=3, group_size=2)
+def test_a_batch_without_the_accumulated_groups_is_refused(learner_groups, learner_model):
+    learner = _learner(learner_model("llama", torch.float64), "token_mean", "naive")
+    batch = learner_groups(7, num_groups=3, group_size=2)
     learner.accumulate([batch[0]])
     with pytest.raises(ValueError, match="accumulate"):
         learner.step(batch[1:])

@@ -16,25 +16,26 @@ from tailrace.engine.replay.replay import ReplayForwardBackward
 from tailrace.engine.trainer import checkpoint, lora
 from tailrace.engine.trainer.learner import Learner, NaiveForwardBackward
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
-from tests.engine.replay.test_replay import group_samples, ppo_loss, rel_err, tiny_model
-from tests.engine.trainer.test_checkpoint import batches
-from tests.engine.trainer.test_checkpoint import tiny_model as tied_model
 
 peft = pytest.importorskip("peft")
 torch.set_num_threads(1)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def adapted(arch="llama", targets=("q_proj", "v_proj"), r=4, seed=0, dtype=torch.float64):
-    """A tiny model with adapters whose B is random too (peft starts B at 0, where A gets no gradient)."""
-    model = tiny_model(arch, dtype, seed=seed)
-    wrapped = lora.attach(model, LoRAConfig(r=r, alpha=8.0, target_modules=targets))
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    return model, wrapped
+@pytest.fixture(scope="module")
+def adapted(exact_model):
+    def adapted(arch="llama", targets=("q_proj", "v_proj"), r=4, seed=0, dtype=torch.float64):
+        """A tiny model with adapters whose B is random too (peft starts B at 0, where A gets no gradient)."""
+        model = exact_model(arch, dtype, seed=seed)
+        wrapped = lora.attach(model, LoRAConfig(r=r, alpha=8.0, target_modules=targets))
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        return model, wrapped
+
+    return adapted
 
 
 def adapter_grads(model, samples, strategy, loss_fn):
@@ -47,7 +48,8 @@ def adapter_grads(model, samples, strategy, loss_fn):
 
 @pytest.mark.parametrize("arch,targets", [("llama", ("q_proj", "v_proj")), ("qwen3", ALL), ("qwen2", ALL)])
 @pytest.mark.parametrize("budget", [None, 0])
-def test_replay_and_packed_adapter_gradients_equal_naive(arch, targets, budget):
+def test_replay_and_packed_adapter_gradients_equal_naive(arch, targets, budget, adapted, group_samples,
+                                                         rel_err, ppo_loss):
     """Budget 0 recomputes every inner segment at close (through the adapters as well)."""
     model, _ = adapted(arch, targets)
     samples = group_samples(5)
@@ -60,7 +62,7 @@ def test_replay_and_packed_adapter_gradients_equal_naive(arch, targets, budget):
     assert rel_err(packed, ref) <= 1e-9, rel_err(packed, ref)
 
 
-def test_naive_reference_is_the_per_sample_gradient():
+def test_naive_reference_is_the_per_sample_gradient(adapted, group_samples, rel_err):
     """The naive strategy through peft's modules is the sum of each sample's own gradient."""
     model, _ = adapted("llama", ALL)
     samples = group_samples(6)
@@ -75,7 +77,7 @@ def test_naive_reference_is_the_per_sample_gradient():
     assert rel_err(together, alone) <= 1e-12
 
 
-def test_only_adapters_train_and_generators_get_the_peft_models_logits():
+def test_only_adapters_train_and_generators_get_the_peft_models_logits(checkpoint_batches, tied_model):
     model = tied_model(0).double()
     base = copy.deepcopy(model)
     learner = Learner(model, TrainConfig(lr=5e-2, seed=3, replay="naive"),
@@ -84,7 +86,7 @@ def test_only_adapters_train_and_generators_get_the_peft_models_logits():
     assert {id(p) for g in learner.optimizer.param_groups for p in g["params"]} == adapter_ids
     trainable, total = lora.parameter_counts(model)
     assert trainable == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) and trainable < total
-    for batch in batches(3):
+    for batch in checkpoint_batches(3):
         learner.step(batch)
     merged = learner.state_dict_for_broadcast()
     assert set(merged) == set(base.state_dict())  # the base model's names: a plain state dict to load
@@ -103,11 +105,12 @@ def test_only_adapters_train_and_generators_get_the_peft_models_logits():
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-12
 
 
-def test_checkpoint_has_adapter_and_merged_model_and_resumes_exactly(tmp_path):
+def test_checkpoint_has_adapter_and_merged_model_and_resumes_exactly(tmp_path, checkpoint_batches,
+                                                                     tied_model):
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1, steps=4,
                       micro_batch_tokens=24, seed=7, replay="replay")
     adapters = LoRAConfig(r=2, alpha=4.0)
-    data = batches(4)
+    data = checkpoint_batches(4)
     straight = Learner(tied_model(0), cfg, lora_config=adapters)
     for batch in data:
         straight.step(batch)
@@ -156,22 +159,22 @@ def test_config_inline_table_overrides_and_errors(tmp_path):
     load_config(path, ["--model.lora.dropout", "0.1", "--train.replay", "naive"])
 
 
-def test_errors_name_the_setting(monkeypatch):
+def test_errors_name_the_setting(monkeypatch, exact_model):
     with pytest.raises(ValueError, match="model.lora.target_modules"):
-        lora.attach(tiny_model(), LoRAConfig(r=2, target_modules=("lm_head",)))
+        lora.attach(exact_model(), LoRAConfig(r=2, target_modules=("lm_head",)))
     with pytest.raises(ValueError, match="model.lora.target_modules"):
-        lora.attach(tiny_model(), LoRAConfig(r=2, target_modules=("no_such_proj",)))
-    assert lora.attach(tiny_model(), LoRAConfig(r=0)) is None
+        lora.attach(exact_model(), LoRAConfig(r=2, target_modules=("no_such_proj",)))
+    assert lora.attach(exact_model(), LoRAConfig(r=0)) is None
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ValueError, match=r"model.lora: .*pip install 'tailrace\[lora\]'"):
-        lora.attach(tiny_model(), LoRAConfig(r=2))
+        lora.attach(exact_model(), LoRAConfig(r=2))
 
 
-def test_dpo_reference_is_the_base_model_and_only_adapters_move():
+def test_dpo_reference_is_the_base_model_and_only_adapters_move(exact_model):
     from tailrace.engine.data.dpo_pairs import PreferencePair
     from tailrace.engine.trainer.dpo_loop import DPOLearner
 
-    model = tiny_model("llama")
+    model = exact_model("llama")
     base = copy.deepcopy(model)
     learner = DPOLearner(model, TrainConfig(lr=1e-2, replay="replay", dpo_beta=0.1), lora_config=LoRAConfig(r=2))
     assert not any("lora_" in n for n, _ in learner.ref_model.named_parameters())

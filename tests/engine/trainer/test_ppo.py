@@ -13,27 +13,9 @@ import torch
 
 from tailrace.engine.config import TrainConfig, load_config
 from tailrace.engine.core.losses import LossNormaliser
-from tailrace.engine.core.samples import Group
 from tailrace.engine.trainer import ppo
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.loss import group_advantages, loss_config, policy_loss
-from tests.engine.replay.test_replay import group_samples, rel_err, tiny_model
-
-LOSS_SETTINGS = dict(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0)  # train.*
-LOSS = loss_config(TrainConfig(**LOSS_SETTINGS))  # what the learner makes of them, for the references
-
-
-def make_groups(num_groups=3):
-    """Groups of shared-prefix samples (so replay shares work), off-policy behaviour log-probs, rewards."""
-    gen = torch.Generator().manual_seed(11)
-    groups = []
-    for g in range(num_groups):
-        samples = group_samples(20 + g, num=3 + g, prompt_len=5 + g)
-        for s in samples:
-            s.group_id = g
-            s.reward = float(torch.rand((), generator=gen))
-        groups.append(Group(group_id=g, samples=samples))
-    return groups
 
 
 def _full_logprobs(model, s):
@@ -74,15 +56,17 @@ def naive_ppo_step(model, groups, *, lr, epochs, minibatches, max_grad_norm, wei
 
 
 @pytest.mark.parametrize("replay", ["naive", "replay"])
-def test_epochs_and_minibatches_equal_the_naive_algorithm_float64(replay):
-    base = tiny_model("qwen2")
-    kwargs = dict(lr=3e-2, epochs=2, minibatches=2, max_grad_norm=1.0, weight_decay=0.01, loss=LOSS)
-    expected = naive_ppo_step(copy.deepcopy(base), make_groups(), **kwargs)
+def test_epochs_and_minibatches_equal_the_naive_algorithm_float64(replay, exact_model, rel_err, ppo_clip,
+                                                                  ppo_groups):
+    base = exact_model("qwen2")
+    loss = loss_config(TrainConfig(**ppo_clip))  # what the learner makes of the settings, for the reference
+    kwargs = dict(lr=3e-2, epochs=2, minibatches=2, max_grad_norm=1.0, weight_decay=0.01, loss=loss)
+    expected = naive_ppo_step(copy.deepcopy(base), ppo_groups(), **kwargs)
     model = copy.deepcopy(base)
     learner = Learner(model, TrainConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, max_grad_norm=1.0,
                                          weight_decay=0.01, betas=(0.9, 0.999), micro_batch_tokens=64,
-                                         logprob_chunk_tokens=5, **LOSS_SETTINGS))
-    metrics = learner.step(make_groups())
+                                         logprob_chunk_tokens=5, **ppo_clip))
+    metrics = learner.step(ppo_groups())
     got = torch.cat([p.detach().flatten() for p in model.parameters()])
     before = torch.cat([p.detach().flatten() for p in base.parameters()])
     assert rel_err(got - before, expected - before) <= 1e-9, rel_err(got - before, expected - before)
@@ -92,20 +76,20 @@ def test_epochs_and_minibatches_equal_the_naive_algorithm_float64(replay):
     assert metrics["trainer/ppo/updates"] == 4.0 and metrics["trainer/ppo/minibatches"] == 2.0
 
 
-def test_clip_acts_in_epoch_two_and_never_with_one_pass():
-    base = tiny_model("llama")
-    one = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", **LOSS_SETTINGS)).step(make_groups())
+def test_clip_acts_in_epoch_two_and_never_with_one_pass(exact_model, ppo_groups, ppo_clip):
+    base = exact_model("llama")
+    one = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", **ppo_clip)).step(ppo_groups())
     assert one["trainer/policy/clip_frac"] == 0.0
     assert one["trainer/policy/ratio_mean"] == 1.0 and one["trainer/policy/ratio_std"] == 0.0
     assert not any(k.startswith("trainer/ppo/epoch") for k in one)
 
-    learner = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", ppo_epochs=2, **LOSS_SETTINGS))
+    learner = Learner(copy.deepcopy(base), TrainConfig(lr=5e-2, replay="replay", ppo_epochs=2, **ppo_clip))
 
     def no_extra_forward(samples):
         raise AssertionError("one part: the proximal log-probs are recorded in epoch 1, no extra forward")
 
     learner._policy_logprobs = no_extra_forward
-    two = learner.step(make_groups())
+    two = learner.step(ppo_groups())
     # Epoch 1 runs the start-of-step policy itself: ratio exactly 1.
     assert two["trainer/ppo/epoch1/clip_frac"] == 0.0
     assert two["trainer/ppo/epoch1/ratio_mean"] == 1.0 and two["trainer/ppo/epoch1/ratio_std"] == 0.0
@@ -114,12 +98,12 @@ def test_clip_acts_in_epoch_two_and_never_with_one_pass():
     assert two["trainer/policy/clip_frac"] == pytest.approx(two["trainer/ppo/epoch2/clip_frac"] / 2)
 
 
-def test_a_step_is_one_version_and_counts_each_sample_once():
-    groups = make_groups()
+def test_a_step_is_one_version_and_counts_each_sample_once(ppo_groups, exact_model, ppo_clip):
+    groups = ppo_groups()
     samples = [s for g in groups for s in g.samples]
-    learner = Learner(tiny_model("llama"), TrainConfig(lr=1e-3, replay="packed", ppo_epochs=3, minibatches=2,
-                                                       **LOSS_SETTINGS))
-    once = Learner(tiny_model("llama"), TrainConfig(lr=1e-3, replay="packed", **LOSS_SETTINGS)).step(make_groups())
+    learner = Learner(exact_model("llama"), TrainConfig(lr=1e-3, replay="packed", ppo_epochs=3, minibatches=2,
+                                                        **ppo_clip))
+    once = Learner(exact_model("llama"), TrainConfig(lr=1e-3, replay="packed", **ppo_clip)).step(ppo_groups())
     metrics = learner.step(groups)
     assert (learner.step_count, learner.policy_version) == (1, 1)
     assert metrics["trainer/policy_version"] == 1.0 and metrics["trainer/ppo/updates"] == 6.0
@@ -150,8 +134,8 @@ def test_settings_are_validated():
         load_config(overrides=["--train.fsdp.activation_checkpointing", "true"])
 
 
-def test_dpo_learner_rejects_several_updates():
+def test_dpo_learner_rejects_several_updates(exact_model):
     from tailrace.engine.trainer.dpo_loop import DPOLearner
 
     with pytest.raises(ValueError, match="ppo_epochs"):
-        DPOLearner(tiny_model("llama"), TrainConfig(replay="replay", ppo_epochs=2))
+        DPOLearner(exact_model("llama"), TrainConfig(replay="replay", ppo_epochs=2))

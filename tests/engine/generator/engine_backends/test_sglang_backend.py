@@ -6,11 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-
-from tailrace.engine.config import load_config
-from tailrace.engine.generator.requests import Request
-from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.backend_harness import (
+from backend_harness import (
     hf_greedy,
     hf_processed_logprobs,
     perturbed_state,
@@ -18,6 +14,10 @@ from tests.engine.generator.backend_harness import (
     run_to_idle,
     tiny_model,
 )
+
+from tailrace.engine.config import load_config
+from tailrace.engine.generator.requests import Request
+from tailrace.protocol.messages import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")]

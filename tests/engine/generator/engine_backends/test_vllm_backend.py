@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
 
 from tailrace.engine.config import load_config
 from tailrace.engine.generator.requests import Request
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.backend_harness import make_torch, make_vllm, needs_vllm, prompts, run_to_idle
 
 pytestmark = needs_vllm
 ROOT = Path(__file__).resolve().parents[4]

@@ -11,11 +11,7 @@ import math
 
 import pytest
 import torch
-
-from tailrace.engine.config import load_config
-from tailrace.engine.generator.requests import Request
-from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.backend_harness import (
+from backend_harness import (
     HAS_VLLM,
     MAX_MODEL_LEN,
     hf_greedy,
@@ -24,6 +20,10 @@ from tests.engine.generator.backend_harness import (
     run_to_idle,
     tiny_model,
 )
+
+from tailrace.engine.config import load_config
+from tailrace.engine.generator.requests import Request
+from tailrace.protocol.messages import SamplingParams
 
 REPEATING = [5, 6, 7, 5, 6, 7, 5, 6, 9, 10, 11, 9, 10]  # prompt lookup finds drafts here at once
 

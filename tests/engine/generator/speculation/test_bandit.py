@@ -9,8 +9,6 @@ Run: pytest tests/engine/generator/speculation/test_bandit.py
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.speculation.bandit import (
@@ -190,12 +188,8 @@ def test_epsilon_decays_with_the_buckets_steps_to_its_floor():
     assert bandit.epsilon_now(1) == pytest.approx(0.02)
 
 
-def test_as_the_backends_depth_policy_decoding_stays_exact():
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def test_as_the_backends_depth_policy_decoding_stays_exact(make_model):
+    model = make_model("qwen2")
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
     def decode(bandit):

@@ -6,7 +6,6 @@ Run: pytest tests/engine/generator/speculation/test_drafter.py
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tailrace.engine.core.drafter import CONFIG_FILE, Drafter, DrafterConfig, load_or_create
 from tailrace.engine.generator.speculation.drafter_training import (
@@ -25,14 +24,6 @@ from tailrace.protocol.messages import SamplingParams
 torch.set_num_threads(1)
 
 VOCAB = 64
-
-
-def make_model(seed: int = 0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
 def prompts(num: int, seed: int, max_len: int = 10) -> list[list[int]]:
@@ -54,7 +45,7 @@ def rollouts(model, drafter, k: int, ps: list[list[int]], sampling: SamplingPara
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(make_model):
     return make_model()
 
 

@@ -12,10 +12,8 @@ import itertools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tailrace.engine.core.drafter import Drafter
-from tailrace.engine.core.models import cache_kwarg
 from tailrace.engine.generator.sampling import SamplingBatch, processed_logprobs
 from tailrace.engine.generator.speculation import speculative
 from tailrace.engine.generator.speculation.drafter_training import KeyRecorder, SpotConfig, SpotTrainer
@@ -23,54 +21,24 @@ from tailrace.engine.generator.speculation.speculative import FixedDepth, accept
 from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 from tailrace.engine.generator.torch_backend.kv import SlotKVCache
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.torch_backend.test_backend import greedy_reference, prompts, reference_logits
-from tests.engine.generator.torch_backend.test_backend import run as run_backend
 from tools.make_tiny_model import deepen_model
 
 torch.set_num_threads(1)
 
-VOCAB = 64
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-
-
-def make_model(arch: str = "qwen2", seed: int = 0, vocab: int = VOCAB, attn: str = "sdpa"):
-    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128,
-                  initializer_range=0.3, tie_word_embeddings=False)
-    if arch == "qwen3":
-        kwargs["head_dim"] = 8
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_CONFIGS[arch](**kwargs), attn_implementation=attn).eval()
-
-
-def spec_backend(model, drafter, k: int, max_traces: int | None = None, kind: str = "eagle", **kwargs) -> TorchBackend:
-    """kind "suffix_only": suffix drafts with no drafter model (what generator.speculation auto runs on a
-    CPU without a drafter_path), none of its bookkeeping."""
-    backend = TorchBackend(model, **kwargs)
-    if kind == "suffix_only":
-        drafter, kind = None, "suffix"
-    backend.enable_speculation(drafter, FixedDepth(k, kind), max_traces=max_traces)
-    return backend
-
-
-def run(backend: TorchBackend, schedule: dict[int, list[Request]]):
-    """test_backend.run with room for the longer speculative schedules here."""
-    return run_backend(backend, schedule, max_steps=1000)
-
 
 @pytest.fixture(scope="module")
-def model():
+def model(make_model):
     return make_model("qwen2")
 
 
 @pytest.fixture(scope="module")
-def trained_drafter(model):
+def trained_drafter(model, spec_backend, run_spec, prompts):
     """A drafter trained briefly on the model's own rollouts: accepts some drafts, rejects others."""
     drafter = Drafter.for_policy(model, seed=3)
     backend = spec_backend(model, drafter, 0, max_batch_size=32, max_model_len=48, seed=0)
     for i, p in enumerate(prompts(32, seed=9)):
         backend.add(Request(i, 0, p, SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=24)))
-    run(backend, {})
+    run_spec(backend, {})
     spot = SpotTrainer(drafter, SpotConfig(tokens_per_step=256, lr=3e-3))
     spot.add_traces(backend.take_traces())
     spot.run(lambda: False, max_steps=40)
@@ -122,57 +90,45 @@ def test_accept_rule_greedy_and_identical_distributions():
 # ------------------------------------------------------------------ lossless: whole sequences
 
 
-def exact_sequence_probs(model, prompt: list[int], length: int, sampling: SamplingParams) -> dict:
-    """Probability of every completion of `length` tokens under the processed policy distribution."""
-    batch = SamplingBatch.build([sampling], [torch.Generator()])
-    probs = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for seq, prob in probs.items():
-            if prob == 0.0:
-                continue
-            p_V = processed_logprobs(reference_logits(model, prompt + list(seq))[None], batch)[0].exp()
-            for token, p in enumerate(p_V.tolist()):
-                nxt[seq + (token,)] = prob * p
-        probs = nxt
-    return probs
+@pytest.fixture(scope="module")
+def exact_sequence_probs(reference_logits):
+    def exact_sequence_probs(model, prompt: list[int], length: int, sampling: SamplingParams) -> dict:
+        """Probability of every completion of `length` tokens under the processed policy distribution."""
+        batch = SamplingBatch.build([sampling], [torch.Generator()])
+        probs = {(): 1.0}
+        for _ in range(length):
+            nxt = {}
+            for seq, prob in probs.items():
+                if prob == 0.0:
+                    continue
+                p_V = processed_logprobs(reference_logits(model, prompt + list(seq))[None], batch)[0].exp()
+                for token, p in enumerate(p_V.tolist()):
+                    nxt[seq + (token,)] = prob * p
+            probs = nxt
+        return probs
+
+    return exact_sequence_probs
 
 
-def chi_square_pvalue(counts: dict, probs: dict, num: int) -> float:
-    """Goodness of fit; categories expected below 5 are pooled into one."""
-    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
-    for seq, prob in probs.items():
-        if prob * num >= 5:
-            observed.append(counts.get(seq, 0))
-            expected.append(prob * num)
-        else:
-            pooled_obs += counts.get(seq, 0)
-            pooled_exp += prob * num
-    assert sum(counts.values()) == num and set(counts) <= {s for s, p in probs.items() if p > 0}
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    obs, exp = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+@pytest.fixture(scope="module")
+def sample_sequences(spec_backend):
+    def sample_sequences(model, drafter, k: int, prompt: list[int], sampling: SamplingParams, num: int,
+                         seed: int, kind: str = "eagle") -> tuple[dict, TorchBackend]:
+        """num samples of one prompt, 2000 at a time: for the suffix drafter, a group of 2000 siblings whose
+        text (and that of the batches before) drafts for each other."""
+        backend = spec_backend(model, drafter, k, max_traces=0, kind=kind, max_batch_size=2000, max_model_len=16,
+                               seed=seed)
+        counts: dict = {}
+        for start in range(0, num, 2000):
+            for i in range(start, min(num, start + 2000)):
+                backend.add(Request(i, 0, prompt, sampling))
+            while backend.num_running or backend.num_waiting:
+                for fin in backend.step():
+                    seq = tuple(fin.completion_ids.tolist())
+                    counts[seq] = counts.get(seq, 0) + 1
+        return counts, backend
 
-
-def sample_sequences(model, drafter, k: int, prompt: list[int], sampling: SamplingParams, num: int,
-                     seed: int, kind: str = "eagle") -> tuple[dict, TorchBackend]:
-    """num samples of one prompt, 2000 at a time: for the suffix drafter, a group of 2000 siblings whose
-    text (and that of the batches before) drafts for each other."""
-    backend = spec_backend(model, drafter, k, max_traces=0, kind=kind, max_batch_size=2000, max_model_len=16,
-                           seed=seed)
-    counts: dict = {}
-    for start in range(0, num, 2000):
-        for i in range(start, min(num, start + 2000)):
-            backend.add(Request(i, 0, prompt, sampling))
-        while backend.num_running or backend.num_waiting:
-            for fin in backend.step():
-                seq = tuple(fin.completion_ids.tolist())
-                counts[seq] = counts.get(seq, 0) + 1
-    return counts, backend
+    return sample_sequences
 
 
 LOSSLESS_CASES = [  # (sampling, k, samples in the default run); the slow variant takes 100000 each
@@ -183,51 +139,60 @@ LOSSLESS_CASES = [  # (sampling, k, samples in the default run); the slow varian
 ]
 
 
-def lossless_model(shape: str):
-    """The chi-square tests' policy: 2 layers, or that model deepened to 12 (tools/make_tiny_model.py
-    --deepen, the long-tail benchmarks' policy shape: the same function in 12 layers' caches), or deepened
-    with its added layers' zero output projections perturbed, so that all 12 layers change the output."""
-    model = make_model("qwen2", seed=4, vocab=8)
-    if shape == "layers2":
-        return model
-    deep = deepen_model(model, 12)
-    if shape == "deepened12-perturbed":
-        gen = torch.Generator().manual_seed(6)
-        with torch.no_grad():
-            for i, layer in enumerate(deep.model.layers):
-                if i % 6:  # the copies; layer 6 is the source's second layer
-                    for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                        proj.weight.copy_(0.3 * torch.randn(proj.weight.shape, generator=gen))
-    return deep
+@pytest.fixture(scope="module")
+def lossless_model(make_model):
+    def lossless_model(shape: str):
+        """The chi-square tests' policy: 2 layers, or that model deepened to 12 (tools/make_tiny_model.py
+        --deepen, the long-tail benchmarks' policy shape: the same function in 12 layers' caches), or deepened
+        with its added layers' zero output projections perturbed, so that all 12 layers change the output."""
+        model = make_model("qwen2", seed=4, vocab_size=8)
+        if shape == "layers2":
+            return model
+        deep = deepen_model(model, 12)
+        if shape == "deepened12-perturbed":
+            gen = torch.Generator().manual_seed(6)
+            with torch.no_grad():
+                for i, layer in enumerate(deep.model.layers):
+                    if i % 6:  # the copies; layer 6 is the source's second layer
+                        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                            proj.weight.copy_(0.3 * torch.randn(proj.weight.shape, generator=gen))
+        return deep
+
+    return lossless_model
 
 
-def _check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eagle", shape: str = "layers2") -> None:
-    model = lossless_model(shape)
-    drafter = Drafter.for_policy(model, seed=5)  # untrained: many rejections, some acceptances
-    prompt = [1, 5, 3]
-    probs = exact_sequence_probs(model, prompt, sampling.max_new_tokens, sampling)
-    counts, backend = sample_sequences(model, drafter, k, prompt, sampling, num, seed=7, kind=kind)
-    stats = backend.spec_stats
-    # Both branches of the rule ran many times: rejections, and enough acceptances to fill a sequence.
-    assert stats.accept_len_hist[0] > num // 20 and sum(stats.accept_len_hist[2:]) > num // 20
-    assert stats.steps_by[kind.removesuffix("_only")] == stats.num_spec_steps > 0
-    assert chi_square_pvalue(counts, probs, num) > 1e-3
+@pytest.fixture(scope="module")
+def check_lossless(lossless_model, exact_sequence_probs, sample_sequences, chi_square_pvalue):
+    def check_lossless(sampling: SamplingParams, k: int, num: int, kind: str = "eagle",
+                       shape: str = "layers2") -> None:
+        model = lossless_model(shape)
+        drafter = Drafter.for_policy(model, seed=5)  # untrained: many rejections, some acceptances
+        prompt = [1, 5, 3]
+        probs = exact_sequence_probs(model, prompt, sampling.max_new_tokens, sampling)
+        counts, backend = sample_sequences(model, drafter, k, prompt, sampling, num, seed=7, kind=kind)
+        stats = backend.spec_stats
+        # Both branches of the rule ran many times: rejections, and enough acceptances to fill a sequence.
+        assert stats.accept_len_hist[0] > num // 20 and sum(stats.accept_len_hist[2:]) > num // 20
+        assert stats.steps_by[kind.removesuffix("_only")] == stats.num_spec_steps > 0
+        assert chi_square_pvalue(counts, probs, num) > 1e-3
+
+    return check_lossless
 
 
 @pytest.mark.parametrize("kind", ["eagle", "suffix", "suffix_only"])
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
-def test_sampled_sequences_follow_the_policy_exactly(sampling, k, num, kind):
-    _check_lossless(sampling, k, num, kind)
+def test_sampled_sequences_follow_the_policy_exactly(sampling, k, num, kind, check_lossless):
+    check_lossless(sampling, k, num, kind)
 
 
 @pytest.mark.parametrize("shape", [pytest.param("deepened12", marks=pytest.mark.slow), "deepened12-perturbed"])
 @pytest.mark.parametrize("kind", ["eagle", "suffix"])
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
-def test_sampled_sequences_follow_the_policy_exactly_12_layers(sampling, k, num, kind, shape):
-    _check_lossless(sampling, k, num, kind, shape)
+def test_sampled_sequences_follow_the_policy_exactly_12_layers(sampling, k, num, kind, shape, check_lossless):
+    check_lossless(sampling, k, num, kind, shape)
 
 
-def test_deepened_policy_computes_the_same_function():
+def test_deepened_policy_computes_the_same_function(lossless_model):
     # The drafter reads the policy's last hidden states: the deepened policy's are the source's, bit for
     # bit, so one drafter serves both (tools/benches/spec.py --workload longtail relies on it).
     source, deep = lossless_model("layers2"), lossless_model("deepened12")
@@ -240,11 +205,12 @@ def test_deepened_policy_computes_the_same_function():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "suffix"])
 @pytest.mark.parametrize("sampling, k, num", LOSSLESS_CASES)
-def test_sampled_sequences_follow_the_policy_exactly_100k(sampling, k, num, kind):
-    _check_lossless(sampling, k, 100_000, kind)
+def test_sampled_sequences_follow_the_policy_exactly_100k(sampling, k, num, kind, check_lossless):
+    check_lossless(sampling, k, 100_000, kind)
 
 
-def test_chi_square_detects_a_lossy_rule(monkeypatch):
+def test_chi_square_detects_a_lossy_rule(monkeypatch, make_model, exact_sequence_probs, sample_sequences,
+                                         chi_square_pvalue):
     # The same test must fail for a rule that keeps every draft (the drafter's distribution). The
     # speculative step calls the rule with q as probabilities (accept_drafts_q_probs).
     rule = speculative.accept_drafts_q_probs
@@ -254,7 +220,7 @@ def test_chi_square_detects_a_lossy_rule(monkeypatch):
         return torch.full_like(num, drafts.shape[1]), tokens, logprobs
 
     monkeypatch.setattr(speculative, "accept_drafts_q_probs", accept_all)
-    model = make_model("qwen2", seed=4, vocab=8)
+    model = make_model("qwen2", seed=4, vocab_size=8)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
     probs = exact_sequence_probs(model, [1, 5, 3], 3, sampling)
     counts, _ = sample_sequences(model, Drafter.for_policy(model, seed=5), 2, [1, 5, 3], sampling, 4000, seed=7)
@@ -262,7 +228,8 @@ def test_chi_square_detects_a_lossy_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("lossy", ["accept_all", "residual_keeps_the_draft"])
-def test_chi_square_detects_a_lossy_point_mass_rule(monkeypatch, lossy):
+def test_chi_square_detects_a_lossy_point_mass_rule(monkeypatch, lossy, make_model, exact_sequence_probs,
+                                                    sample_sequences, chi_square_pvalue):
     # Suffix drafts: keeping every draft, or drawing a rejected position from p itself (the draft not
     # removed), must fail the same test.
     rule = speculative.accept_point_drafts
@@ -281,7 +248,7 @@ def test_chi_square_detects_a_lossy_point_mass_rule(monkeypatch, lossy):
         return num, tokens, p.gather(-1, tokens[..., None]).squeeze(-1)
 
     monkeypatch.setattr(speculative, "accept_point_drafts", locals()[lossy])
-    model = make_model("qwen2", seed=4, vocab=8)
+    model = make_model("qwen2", seed=4, vocab_size=8)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
     probs = exact_sequence_probs(model, [1, 5, 3], 3, sampling)
     counts, _ = sample_sequences(model, Drafter.for_policy(model, seed=5), 2, [1, 5, 3], sampling, 20_000, seed=7,
@@ -294,7 +261,8 @@ def test_chi_square_detects_a_lossy_point_mass_rule(monkeypatch, lossy):
 
 @pytest.mark.parametrize("kind", ["eagle", "suffix", "suffix_only"])
 @pytest.mark.parametrize("arch, attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager")])
-def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter, kind):
+def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter, kind, make_model, prompts,
+                                             run_spec, spec_backend, greedy_reference):
     model = make_model(arch, attn=attn)
     drafter = trained_drafter if arch == "qwen2" else Drafter.for_policy(model)
     ps = prompts(6, seed=2) + [list(range(1, 20))]
@@ -302,28 +270,16 @@ def test_greedy_is_token_for_token_identical(arch, attn, trained_drafter, kind):
     reqs = [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=n))
             for i, (p, n) in enumerate(zip(ps, budgets, strict=True))]
     for k in (1, 3, 8):
-        done = run(spec_backend(model, drafter, k, kind=kind, max_batch_size=3, max_model_len=40),
-                   {0: reqs[:2], 2: reqs[2:5], 4: reqs[5:6], 7: reqs[6:]})
+        done = run_spec(spec_backend(model, drafter, k, kind=kind, max_batch_size=3, max_model_len=40),
+                        {0: reqs[:2], 2: reqs[2:5], 4: reqs[5:6], 7: reqs[6:]})
         for i, (p, n) in enumerate(zip(ps, budgets, strict=True)):
             assert done[i, 0].completion_ids.tolist() == greedy_reference(model, p, n), (k, i)
             assert (done[i, 0].behaviour_logprobs == 0).all() and done[i, 0].finish_reason == "length"
 
 
-def row_cache_matches_recompute(model, backend: TorchBackend, row: int, tokens: list[int]) -> None:
-    """The row's valid cached keys/values equal Hugging Face's own cache over the fed tokens."""
-    kv = backend.rows.kv
-    cols = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
-    assert cols.numel() == len(tokens)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.tensor([tokens]), use_cache=True, **{cache_kwarg(model): cache})
-    for layer in range(model.config.num_hidden_layers):
-        torch.testing.assert_close(kv.keys[layer][row][:, cols], cache.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(kv.values[layer][row][:, cols], cache.layers[layer].values[0],
-                                   atol=1e-5, rtol=1e-4)
-
-
-def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafter):
+def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafter, spec_backend, run_spec,
+                                                           greedy_reference, row_cache_matches_recompute,
+                                                           prompts, reference_logits):
     params = [SamplingParams(temperature=1.0, max_new_tokens=20, seed=11),
               SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=9, seed=12),
               SamplingParams(temperature=1.2, top_k=10, max_new_tokens=16, seed=13),
@@ -331,7 +287,7 @@ def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafte
     reqs = [Request(i, i, p, sp) for i, (p, sp) in enumerate(zip(prompts(4, seed=5), params, strict=True))]
     alone = {}
     for req in reqs:
-        alone.update(run(spec_backend(model, trained_drafter, 3, max_batch_size=1, max_model_len=48), {0: [req]}))
+        alone.update(run_spec(spec_backend(model, trained_drafter, 3, max_batch_size=1, max_model_len=48), {0: [req]}))
     batched = spec_backend(model, trained_drafter, 3, max_batch_size=4, max_model_len=48)
     # Check the cache mid-flight: every running row holds exactly its fed tokens' keys/values.
     done = {}
@@ -342,7 +298,7 @@ def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafte
         for row, seq in enumerate(batched.rows.seqs):
             fed = seq.request.prompt_ids + batched.rows.completion(row, int(batched.rows.num_gen_R[row]))[0].tolist()
             row_cache_matches_recompute(model, batched, row, fed[:-1])
-    done.update(run(batched, {}))
+    done.update(run_spec(batched, {}))
     for key, fin in alone.items():
         assert done[key].completion_ids.tolist() == fin.completion_ids.tolist(), key
         torch.testing.assert_close(done[key].behaviour_logprobs, fin.behaviour_logprobs, atol=1e-5, rtol=0)
@@ -359,7 +315,8 @@ def test_mixed_acceptance_batch_equals_each_sequence_alone(model, trained_drafte
             ids.append(token)
 
 
-def test_compaction_stop_tokens_and_versions(model, trained_drafter, monkeypatch):
+def test_compaction_stop_tokens_and_versions(model, trained_drafter, monkeypatch, prompts, spec_backend,
+                                             greedy_reference, run_spec):
     # A small max_model_len with many rejected columns forces kv.compact(); an in-flight weight
     # update in the middle stamps the later tokens with the new version.
     num_compactions = []
@@ -375,7 +332,7 @@ def test_compaction_stop_tokens_and_versions(model, trained_drafter, monkeypatch
         backend.add(req)
     done = {(f.group_id, f.sample_id): f for _ in range(3) for f in backend.step()}
     backend.update_weights({}, version=1)
-    done.update(run(backend, {2 * i: [r] for i, r in enumerate(reqs[3:])}))
+    done.update(run_spec(backend, {2 * i: [r] for i, r in enumerate(reqs[3:])}))
     for i in range(len(ps)):
         expected = reference[i][:reference[i].index(stop) + 1] if i == 0 else reference[i]
         assert done[i, 0].completion_ids.tolist() == expected, i
@@ -385,10 +342,11 @@ def test_compaction_stop_tokens_and_versions(model, trained_drafter, monkeypatch
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
 
 
-def test_depth_zero_and_enable_errors(model, trained_drafter):
+def test_depth_zero_and_enable_errors(model, trained_drafter, spec_backend, run_spec, prompts,
+                                      greedy_reference):
     backend = spec_backend(model, trained_drafter, 0, max_batch_size=2, max_model_len=32)
     p = prompts(1, seed=8)[0]
-    done = run(backend, {0: [Request(0, 0, p, SamplingParams(temperature=0.0, max_new_tokens=6))]})
+    done = run_spec(backend, {0: [Request(0, 0, p, SamplingParams(temperature=0.0, max_new_tokens=6))]})
     assert done[0, 0].completion_ids.tolist() == greedy_reference(model, p, 6)
     assert backend.spec_stats.num_spec_steps == 0 and backend.spec_stats.num_plain_steps == 6
     (trace,) = backend.take_traces()
@@ -404,7 +362,7 @@ def test_depth_zero_and_enable_errors(model, trained_drafter):
         FixedDepth(9)
 
 
-def test_every_arm_combination_runs(model, trained_drafter):
+def test_every_arm_combination_runs(model, trained_drafter, prompts, run_spec, greedy_reference):
     # Arms changing every step (as the bandit does) keep the drafter cache consistent.
     depths = itertools.cycle([0, 2, "suffix@3", 0, 0, 5, "suffix@8", 1, 8, "suffix@1", 3])
 
@@ -415,13 +373,13 @@ def test_every_arm_combination_runs(model, trained_drafter):
     backend = TorchBackend(model, max_batch_size=2, max_model_len=40)
     backend.enable_speculation(trained_drafter, Cycling(0))
     ps = prompts(3, seed=12)
-    done = run(backend, {0: [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=15))
-                             for i, p in enumerate(ps)]})
+    done = run_spec(backend, {0: [Request(i, 0, p, SamplingParams(temperature=0.0, max_new_tokens=15))
+                                  for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
         assert done[i, 0].completion_ids.tolist() == greedy_reference(model, p, 15)
 
 
-def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter):
+def test_drafter_cache_holds_keys_of_true_features(model, trained_drafter, prompts):
     # After speculative (eagle and suffix) and plain steps, every drafter key/value left of the stale
     # window equals the drafter run over the row's tokens with the policy's true hidden states.
     depths = itertools.cycle([3, 0, "suffix@2", 2, 4, "suffix@4"])
@@ -459,7 +417,7 @@ def _check_drafter_cache(model, trained_drafter, backend):
         torch.testing.assert_close(kv.values[spec.layer][row][:, cols], cache.values[0], atol=1e-4, rtol=1e-4)
 
 
-def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_drafter):
+def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_drafter, spec_backend, prompts):
     # The drafting loop's shortcuts (cached drafter keys, rotary factors looked up once per step, draws
     # written into preallocated buffers) compute what one cacheless drafter forward over the row's
     # tokens, true features and then its own drafts and predicted features computes, draft by draft.
@@ -493,7 +451,8 @@ def test_draft_loop_equals_the_drafter_run_over_its_own_drafts(model, trained_dr
     assert len(checked) >= 6
 
 
-def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter):
+def test_rejected_columns_past_every_row_are_handed_back(model, trained_drafter, spec_backend, prompts,
+                                                         greedy_reference):
     # A step's columns past the widest row's emitted tokens are reused at the next step: a single row
     # never leaves holes (its window is exactly its cached tokens), and in a batch every column right
     # of the last one any row kept is free. Output stays exactly the greedy reference.

@@ -21,8 +21,6 @@ from tailrace.engine.generator.speculation.suffix import (
 )
 from tailrace.engine.generator.torch_backend.backend import Request
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.speculation.test_speculative import chi_square_pvalue, make_model, spec_backend
-from tests.engine.generator.torch_backend.test_backend import greedy_reference
 
 
 def test_longest_seen_suffix_proposes_its_continuation():
@@ -76,7 +74,7 @@ def processed(logits_V, top_k=0):
 
 
 @pytest.mark.parametrize("drafts, top_k", [((2, 0), 0), ((4, 4), 0), ((1, 3), 3)])
-def test_point_mass_drafts_emit_exactly_the_policy_distribution(drafts, top_k):
+def test_point_mass_drafts_emit_exactly_the_policy_distribution(drafts, top_k, chi_square_pvalue):
     """Two policy steps p1, p2(. | t1) over a 5-token vocabulary; a fixed two-token draft is verified
     for 60k rows at once. The emitted (t1, t2) pairs follow p1 x p2 whatever the draft: right (the
     likeliest tokens), wrong, or outside top-k (probability 0: always rejected)."""
@@ -110,7 +108,7 @@ def _plain_step(p2, first, gen):
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(p2.shape[1] - 1)
 
 
-def test_siblings_draft_for_each_other_in_the_backend():
+def test_siblings_draft_for_each_other_in_the_backend(make_model, spec_backend, greedy_reference):
     # A greedy group decodes the same text four times, one sample after another (batch 1): from the
     # second sample on, every suffix draft comes from the first sample's text and is accepted, and the
     # output stays the greedy reference. A drafter that ignored siblings would be accepted by chance only.

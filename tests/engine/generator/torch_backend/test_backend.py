@@ -7,15 +7,7 @@ Run: pytest tests/engine/generator/torch_backend/test_backend.py
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    GPT2Config,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import DynamicCache, GPT2Config
 
 from tailrace.engine.core.models import (
     SUPPORTED_MODEL_TYPES,
@@ -31,64 +23,19 @@ from tailrace.protocol.messages import SamplingParams, WorkItem
 
 torch.set_num_threads(1)
 
-VOCAB = 64
+VOCAB = 64  # make_model's (tests/engine/generator/conftest.py)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
-
-
-def make_model(arch: str = "qwen2", seed: int = 0, attn: str = "sdpa", **overrides):
-    # A large init range makes the tiny model's distributions peaked, so greedy has no near-ties.
-    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                  initializer_range=0.3, tie_word_embeddings=False)
-    if arch == "qwen3":
-        kwargs["head_dim"] = 8
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_CONFIGS[arch](**kwargs), attn_implementation=attn).eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def model(request):
+def model(request, make_model):
     return make_model(request.param)
-
-
-@torch.no_grad()
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    """Next-token logits [V] after `ids`, from a full forward with no cache."""
-    return model(torch.tensor([ids])).logits[0, -1].float()
-
-
-def greedy_reference(model, prompt: list[int], num_tokens: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        ids.append(int(reference_logits(model, ids).argmax()))
-    return ids[len(prompt):]
-
-
-def run(backend: TorchBackend, schedule: dict[int, list[Request]], max_steps: int = 500):
-    """Step until idle; schedule[s] is added just before step s. Returns {(group, sample): Finished}."""
-    done = {}
-    for step in range(max_steps):
-        for request in schedule.get(step, []):
-            backend.add(request)
-        for fin in backend.step():
-            done[fin.group_id, fin.sample_id] = fin
-        if not backend.num_running and not backend.num_waiting and step >= max(schedule, default=0):
-            return done
-    raise AssertionError("backend did not finish")
-
-
-def prompts(num: int, seed: int = 1, max_len: int = 12) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
 # ------------------------------------------------------------------ correctness against references
 
 
-def test_greedy_in_continuous_batch_equals_full_recompute(model):
+def test_greedy_in_continuous_batch_equals_full_recompute(model, run, prompts, greedy_reference):
     # 7 requests through 3 rows, arriving at different steps with different lengths and budgets:
     # rows leave and join while others run, prompts of 1 token skip prefill, a long late prompt
     # forces the running rows to shift right.
@@ -105,7 +52,7 @@ def test_greedy_in_continuous_batch_equals_full_recompute(model):
         assert fin.behaviour_logprobs.dtype == torch.float32 and (fin.behaviour_logprobs == 0).all()
 
 
-def test_sampled_batch_equals_each_sequence_alone(model):
+def test_sampled_batch_equals_each_sequence_alone(model, run, prompts):
     params = [SamplingParams(temperature=1.0, max_new_tokens=9, seed=11),
               SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=4, seed=12),
               SamplingParams(temperature=1.2, top_k=10, max_new_tokens=7, seed=13),
@@ -122,7 +69,7 @@ def test_sampled_batch_equals_each_sequence_alone(model):
         torch.testing.assert_close(batched[key].behaviour_logprobs, fin.behaviour_logprobs, atol=1e-5, rtol=0)
 
 
-def test_a_shared_prompt_is_prefilled_once_and_each_sample_decodes_as_alone(model):
+def test_a_shared_prompt_is_prefilled_once_and_each_sample_decodes_as_alone(model, prompts, run):
     # Two groups interleaved with a lone prompt, as work arrives: each distinct prompt is prefilled
     # once (its keys/values copied to the group's other rows), and every sample equals itself decoded
     # alone (its own seed; greedy rows too). The rows of a group reorder at admission; results do not.
@@ -144,7 +91,7 @@ def test_a_shared_prompt_is_prefilled_once_and_each_sample_decodes_as_alone(mode
     assert len({tuple(batched[1, i].completion_ids.tolist()) for i in range(4)}) > 1
 
 
-def test_behaviour_logprobs_equal_processed_reference_logprobs(model):
+def test_behaviour_logprobs_equal_processed_reference_logprobs(model, prompts, run, reference_logits):
     params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=1),
               SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=6, seed=2)]
     ps = prompts(2, seed=3)
@@ -159,7 +106,7 @@ def test_behaviour_logprobs_equal_processed_reference_logprobs(model):
             ids.append(token)
 
 
-def test_long_run_with_compaction_matches_reference():
+def test_long_run_with_compaction_matches_reference(make_model, prompts, run, greedy_reference):
     # Many short-lived sequences through a small max_model_len: the shared write column reaches the
     # end of the buffer repeatedly, so rows are compacted leftwards while others keep decoding.
     model = make_model("qwen2", seed=5)
@@ -175,7 +122,7 @@ def test_long_run_with_compaction_matches_reference():
 
 
 @pytest.mark.parametrize("arch, attn", [("mistral", "sdpa"), ("llama", "eager")])
-def test_other_family_and_eager_attention(arch, attn):
+def test_other_family_and_eager_attention(arch, attn, make_model, prompts, run, greedy_reference):
     model = make_model(arch, attn=attn)
     ps = prompts(3, seed=6)
     done = run(TorchBackend(model, max_batch_size=2, max_model_len=32),
@@ -187,7 +134,7 @@ def test_other_family_and_eager_attention(arch, attn):
 # ------------------------------------------------------------------ finishing
 
 
-def test_finish_reasons_stop_eos_and_lengths(model):
+def test_finish_reasons_stop_eos_and_lengths(model, greedy_reference, run):
     prompt = [5, 9, 2, 7]
     tokens = greedy_reference(model, prompt, 6)
     stop_token = tokens[2]
@@ -211,7 +158,7 @@ def test_finish_reasons_stop_eos_and_lengths(model):
     assert eos_backend.stats.num_generated_tokens == cut and eos_backend.stats.tokens_per_s > 0
 
 
-def test_seeded_sampling_is_reproducible_and_samples_of_a_group_differ(model):
+def test_seeded_sampling_is_reproducible_and_samples_of_a_group_differ(model, run):
     item = WorkItem(group_id=4, prompt_token_ids=[3, 1, 4, 1, 5], num_samples=3,
                     sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=99))
     first = run(TorchBackend(model, max_batch_size=3, max_model_len=32, seed=0), {0: requests_for(item)})
@@ -228,7 +175,7 @@ def test_seeded_sampling_is_reproducible_and_samples_of_a_group_differ(model):
 # ------------------------------------------------------------------ weights, cancel, admission
 
 
-def test_in_flight_weight_update_keeps_cache_and_stamps_versions():
+def test_in_flight_weight_update_keeps_cache_and_stamps_versions(make_model, run):
     old, new = make_model("qwen3", seed=0), make_model("qwen3", seed=1)
     prompt, switch_after = [4, 8, 15, 16, 23], 3
     backend = TorchBackend(old, max_batch_size=2, max_model_len=32)
@@ -268,7 +215,7 @@ def test_update_weights_rejects_bad_input_and_leaves_model_untouched(model):
     assert torch.equal(model.state_dict()[name], before) and backend.policy_version == 2
 
 
-def test_cancel_waiting_and_running_leaves_others_intact(model):
+def test_cancel_waiting_and_running_leaves_others_intact(model, prompts, run, greedy_reference):
     ps = prompts(4, seed=7)
     backend = TorchBackend(model, max_batch_size=3, max_model_len=32)
     for i, p in enumerate(ps):
@@ -307,7 +254,7 @@ def test_pause_admission_drain_and_capacity(model):
     assert backend.step() == [] and backend.num_running == 0
 
 
-def test_bad_requests_and_configurations_raise_value_error(model):
+def test_bad_requests_and_configurations_raise_value_error(model, make_model):
     backend = TorchBackend(model, max_batch_size=2, max_model_len=8)
     with pytest.raises(ValueError, match="prompt has 8 tokens, but max_model_len is 8"):
         backend.add(Request(0, 0, list(range(8)), GREEDY))
@@ -334,7 +281,7 @@ def test_unsupported_family_is_rejected_by_name(tmp_path):
         load_model(tmp_path)
 
 
-def test_load_model_round_trip(tmp_path):
+def test_load_model_round_trip(tmp_path, make_model):
     model = make_model("llama")
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
@@ -347,7 +294,7 @@ def test_load_model_round_trip(tmp_path):
     assert TINY_MODEL_PATH.parts[-2:] == ("examples", "tiny")
 
 
-def test_outputs_are_ordinary_tensors_that_autograd_accepts():
+def test_outputs_are_ordinary_tensors_that_autograd_accepts(make_model, prompts):
     # The backend decodes under inference_mode; what it hands out (finished, cancelled, traces) must
     # be ordinary tensors, since a trainer in the same process builds autograd graphs on them.
     from tailrace.engine.core.drafter import Drafter
@@ -375,7 +322,8 @@ def test_outputs_are_ordinary_tensors_that_autograd_accepts():
     assert weight.grad is not None
 
 
-def test_cpu_backend_runs_masked_grouped_query_attention_without_copies_and_the_same_logits(monkeypatch):
+def test_cpu_backend_runs_masked_grouped_query_attention_without_copies_and_the_same_logits(monkeypatch,
+                                                                                            make_model):
     """A CPU TorchBackend has Transformers' SDPA attention take a mask with enable_gqa instead of
     repeat_kv (masked_gqa_on_cpu): the verify and prefill forwards of more than one token then give the
     same logits as the copying path; a value the user set is kept."""

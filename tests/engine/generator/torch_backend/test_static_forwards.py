@@ -16,24 +16,26 @@ from tailrace.engine.generator.speculation.speculative import FixedDepth
 from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
 from tailrace.engine.generator.torch_backend.graphs import bucket_of, resolve_mode
 from tailrace.protocol.messages import SamplingParams
-from tests.engine.generator.speculation.test_speculative import make_model, run
-from tests.engine.generator.torch_backend.test_backend import prompts
 
 torch.set_num_threads(1)
 
 
-def _schedule(seed: int = 5) -> dict[int, list[Request]]:
-    """11 requests over 6 steps: groups of 1-3 samples, greedy and sampled, budgets 3-90 tokens, one
-    stop token; running batches pass through 1..7 rows (buckets 1, 2, 4, 8), the columns in use past 64."""
-    ps = prompts(6, seed=seed, max_len=14)
-    out: dict[int, list[Request]] = {}
-    gid = 0
-    for step, (p, n, temp, budget) in enumerate(zip(ps, (1, 3, 2, 1, 3, 1), (0.0, 1.0, 0.7, 1.0, 0.0, 1.0),
-                                                     (90, 12, 3, 25, 8, 20), strict=True)):
-        params = SamplingParams(temperature=temp, max_new_tokens=budget, stop_token_ids=[7] if step == 3 else [])
-        out[step * 2] = [Request(gid, i, p, params) for i in range(n)]
-        gid += 1
-    return out
+@pytest.fixture(scope="module")
+def schedule(prompts):
+    def schedule(seed: int = 5) -> dict[int, list[Request]]:
+        """11 requests over 6 steps: groups of 1-3 samples, greedy and sampled, budgets 3-90 tokens, one
+        stop token; running batches pass through 1..7 rows (buckets 1, 2, 4, 8), the columns in use past 64."""
+        ps = prompts(6, seed=seed, max_len=14)
+        out: dict[int, list[Request]] = {}
+        gid = 0
+        for step, (p, n, temp, budget) in enumerate(zip(ps, (1, 3, 2, 1, 3, 1), (0.0, 1.0, 0.7, 1.0, 0.0, 1.0),
+                                                         (90, 12, 3, 25, 8, 20), strict=True)):
+            params = SamplingParams(temperature=temp, max_new_tokens=budget, stop_token_ids=[7] if step == 3 else [])
+            out[step * 2] = [Request(gid, i, p, params) for i in range(n)]
+            gid += 1
+        return out
+
+    return schedule
 
 
 def _backend(model, mode: str, spec: str | None, drafter=None, device="cpu") -> TorchBackend:
@@ -52,16 +54,16 @@ def _assert_same(a: dict, b: dict, atol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def model64():
+def model64(make_model):
     return make_model("qwen2", seed=2).to(torch.float64)
 
 
 @pytest.mark.parametrize("spec", [None, "eagle", "suffix"])
-def test_static_forwards_equal_the_eager_window(model64, spec):
+def test_static_forwards_equal_the_eager_window(model64, spec, run_spec, schedule):
     drafter = Drafter.for_policy(model64, seed=4).to(torch.float64) if spec == "eagle" else None
-    eager = run(_backend(model64, "off", spec, drafter), _schedule())
+    eager = run_spec(_backend(model64, "off", spec, drafter), schedule())
     static_backend = _backend(model64, "static", spec, drafter)
-    static = run(static_backend, _schedule())
+    static = run_spec(static_backend, schedule())
     _assert_same(eager, static, atol=1e-6)
     shapes = static_backend.static_forwards._entries
     assert len({key[1] for key in shapes}) >= 3  # batches crossed row buckets
@@ -95,7 +97,8 @@ class _HostSyncs(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("spec", [None, "eagle"])
-def test_the_bodies_a_graph_captures_never_read_values_on_the_host(model64, monkeypatch, spec):
+def test_the_bodies_a_graph_captures_never_read_values_on_the_host(model64, monkeypatch, spec, run_spec,
+                                                                   schedule):
     drafter = Drafter.for_policy(model64, seed=4).to(torch.float64) if spec == "eagle" else None
     # Outside inference mode: a dispatch mode does not see the ops of inference tensors.
     monkeypatch.setattr(TorchBackend, "step", torch.no_grad()(TorchBackend.step.__wrapped__))
@@ -109,7 +112,7 @@ def test_the_bodies_a_graph_captures_never_read_values_on_the_host(model64, monk
             with spy:
                 return body(inputs, window)
         monkeypatch.setattr(backend.static_forwards, name, spied)
-    run(backend, _schedule())
+    run_spec(backend, schedule())
     assert "_policy_body" in calls and ("_drafter_body" in calls) == (spec == "eagle")
     assert spy.seen == []
 
@@ -128,13 +131,13 @@ def test_modes_and_buckets():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("spec", [None, "eagle", "suffix"])
-def test_cuda_graphs_equal_the_eager_window(spec):
+def test_cuda_graphs_equal_the_eager_window(spec, run_spec, make_model, schedule):
     # On the device before the drafter is built: it aliases the policy's embedding and LM head.
     model = make_model("qwen2", seed=2).to(torch.float64).to("cuda")
     drafter = Drafter.for_policy(model, seed=4) if spec == "eagle" else None
-    eager = run(_backend(model, "off", spec, drafter, device="cuda"), _schedule())
+    eager = run_spec(_backend(model, "off", spec, drafter, device="cuda"), schedule())
     graphed_backend = _backend(model, "auto", spec, drafter, device="cuda")
-    graphed = run(graphed_backend, _schedule())
+    graphed = run_spec(graphed_backend, schedule())
     _assert_same(eager, graphed, atol=1e-6)
     counters = graphed_backend.static_forwards.counters()
     assert counters["static_forwards_captured"] >= 4 and counters["static_forwards_replayed"] > 0

@@ -14,8 +14,6 @@ from tailrace.engine.generator.speculation.speculative import FixedDepth
 from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.engine.generator.torch_backend.tree import TreeSampling, split_samples
 from tailrace.protocol.messages import SamplingParams, WorkItem
-from tests.engine.generator.speculation.test_speculative import row_cache_matches_recompute
-from tests.engine.generator.torch_backend.test_backend import greedy_reference, make_model, run
 
 torch.set_num_threads(1)
 
@@ -23,7 +21,7 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(make_model):
     return make_model("qwen2")
 
 
@@ -61,7 +59,7 @@ def test_tree_sampling_validates_and_splits():
     assert TreeSampling(fork_depths=(2, 5)).next_fork(5) == 2
 
 
-def test_greedy_branches_equal_plain_greedy(model):
+def test_greedy_branches_equal_plain_greedy(model, greedy_reference):
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
     done, _ = run_tree(model, item(6, sampling), fork_depths=(2, 5), branching=2)
     expected = greedy_reference(model, PROMPT, 10)
@@ -70,7 +68,7 @@ def test_greedy_branches_equal_plain_greedy(model):
         assert fin.completion_ids.tolist() == expected and fin.finish_reason == "length"
 
 
-def test_sampled_branches_share_the_trunk_and_match_a_branch_decoded_alone(model):
+def test_sampled_branches_share_the_trunk_and_match_a_branch_decoded_alone(model, run):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
     done, _ = run_tree(model, item(4, sampling), fork_depths=(3, 7), branching=2)
     assert sorted(s for _, s in done) == [100, 101, 102, 103]
@@ -106,7 +104,7 @@ def test_forks_respect_capacity_and_lose_no_sample(model):
     assert all(len(f.completion_ids) == 6 and f.finish_reason == "length" for f in done.values())
 
 
-def test_stop_before_the_fork_requeues_the_held_samples(model):
+def test_stop_before_the_fork_requeues_the_held_samples(model, greedy_reference):
     # The greedy trunk's first token is a stop token: it finishes before any fork, and the held
     # samples run on as ordinary requests to the same stop.
     first = greedy_reference(model, PROMPT, 1)[0]
@@ -130,7 +128,7 @@ def test_cancel_returns_held_branches(model):
     assert backend.num_running == 0 and backend.num_waiting == 0
 
 
-def test_forked_rows_cache_equals_recompute(model):
+def test_forked_rows_cache_equals_recompute(model, row_cache_matches_recompute):
     # Right after the fork at depth 3 every row (trunk and clones) holds the keys/values of the prompt
     # and the trunk tokens fed so far, exactly as a full forward over them would.
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
@@ -148,7 +146,7 @@ def test_forked_rows_cache_equals_recompute(model):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_tree_with_speculation_greedy(model, k):
+def test_tree_with_speculation_greedy(model, k, run, greedy_reference):
     backend = TorchBackend(model, max_batch_size=4, max_model_len=64, tree=TreeSampling(fork_depths=(2, 5)))
     backend.enable_speculation(Drafter.for_policy(model, seed=1), FixedDepth(k))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=9)
@@ -158,11 +156,15 @@ def test_tree_with_speculation_greedy(model, k):
     assert all(f.completion_ids.tolist() == expected for f in done.values())
 
 
-def plain_samples(model, work: WorkItem) -> dict:
-    return run(TorchBackend(model, max_batch_size=8, max_model_len=64), {0: requests_for(work)})
+@pytest.fixture(scope="module")
+def plain_samples(run):
+    def plain_samples(model, work: WorkItem) -> dict:
+        return run(TorchBackend(model, max_batch_size=8, max_model_len=64), {0: requests_for(work)})
+
+    return plain_samples
 
 
-def test_entropy_mode_forks_before_the_uncertain_draw(model):
+def test_entropy_mode_forks_before_the_uncertain_draw(model, run, plain_samples):
     # Threshold 0 forks at every position until max_forks: the row of {100..103} forks before its
     # first draw (clone 102 is then an ordinary sample), and both rows fork before the second draw.
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=21)
@@ -184,7 +186,7 @@ def test_entropy_mode_forks_before_the_uncertain_draw(model):
         assert alone.completion_ids.tolist() == fin.completion_ids[1:].tolist()
 
 
-def test_entropy_mode_without_uncertainty_gives_ordinary_samples(model):
+def test_entropy_mode_without_uncertainty_gives_ordinary_samples(model, plain_samples):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=4)
     work = item(3, sampling)
     # The trunk never forks; its two held samples then run side by side as ordinary requests.
