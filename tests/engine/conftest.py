@@ -130,3 +130,25 @@ def naive_dpo_grads():
         return torch.cat([p.grad.flatten() for p in model.parameters()]), float(loss.detach())
 
     return naive_dpo_grads
+
+
+BROADCAST_RUN = ["--train.groups_per_step", "1", "--sampling.group_size", "2", "--sampling.max_new_tokens", "8",
+                 "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0", "--trainer.heartbeat_interval_s",
+                 "0.2", "--trainer.stats_interval_s", "0.2", "--trainer.weights_broadcast_timeout_s", "3",
+                 "--trainer.weights_bucket_bytes", "65536", "--generator.max_batch_size", "4",
+                 "--generator.speculation", "false", "--controller.max_staleness", "1"]
+
+
+@pytest.fixture(scope="session")
+def broadcast_run():
+    """Settings of a small run whose new weights go by broadcast (short timeouts, small buckets)."""
+    return list(BROADCAST_RUN)
+
+
+@pytest.fixture(scope="session")
+def weight_bits():
+    """A state dict's tensors as their raw bytes, for bit-equality checks."""
+    def weight_bits(state):
+        return {k: v.detach().reshape(-1).view(torch.uint8).clone() for k, v in state.items()}
+
+    return weight_bits

@@ -86,20 +86,20 @@ def test_tailrace_run_on_vllm_learns_with_exact_accounting(tmp_path):
 
 
 @pytest.mark.timeout(600)
-async def test_weights_by_broadcast_reach_the_vllm_backend_bit_equal(llm, tmp_path):
+async def test_weights_by_broadcast_reach_the_vllm_backend_bit_equal(llm, tmp_path, broadcast_run, weight_bits):
     """A run's versions reach a vLLM-backend generator by the torch.distributed broadcast (gloo), beside a
-    torch-backend one (whose received versions tests/engine/test_weights_broadcast.py checks against the
+    torch-backend one (whose received versions tests/engine/trainer/test_weights_broadcast.py checks against the
     trainer's): both receive the same bits for each version, and after the run vLLM samples exactly what the
     torch backend samples with those weights. The trainer is a process of its own (in this process its
     threads would change vLLM's CPU attention thread count). Last in this file: it restores the engine."""
     import asyncio
     import time
 
-    from tailrace.engine.generator.service import GeneratorService
-    from tests.engine.generator.backend_harness import tiny_model
-    from tests.engine.test_weights_broadcast import RUN, _bits
+    from backend_harness import tiny_model
 
-    trainer = subprocess.Popen([sys.executable, "-m", "tailrace.engine.cli", "trainer", *RUN, "--train.steps", "3",
+    from tailrace.engine.generator.service import GeneratorService
+
+    trainer = subprocess.Popen([sys.executable, "-m", "tailrace.engine.cli", "trainer", *broadcast_run, "--train.steps", "3",
                                 "--trainer.runs_dir", str(tmp_path), "--trainer.run_name", "bcv"],
                                cwd=ROOT, stdout=open(tmp_path / "trainer.log", "wb"), stderr=subprocess.STDOUT)
     try:
@@ -112,13 +112,13 @@ async def test_weights_by_broadcast_reach_the_vllm_backend_bit_equal(llm, tmp_pa
         received = {"vllm": {}, "torch": {}}
         gens = []
         for kind in ("vllm", "torch"):
-            cfg = load_config(None, [*RUN, "--generator.backend", kind, "--trainer.runs_dir", str(tmp_path)])
+            cfg = load_config(None, [*broadcast_run, "--generator.backend", kind, "--trainer.runs_dir", str(tmp_path)])
             gen = GeneratorService(cfg, address, name=f"gen-{kind}",
                                    make_backend=(lambda cfg: make_vllm(llm, 4)) if kind == "vllm" else None)
             real = gen.backend.update_weights
 
             def update_weights(weights, version, real=real, into=received[kind]):
-                into[version] = _bits(dict(weights))
+                into[version] = weight_bits(dict(weights))
                 real(weights, version)
 
             gen.backend.update_weights = update_weights

@@ -4,7 +4,7 @@ is bit-equal to what the trainer published for it; a generator that joins later 
 broadcast; one that cannot join (its store unreachable) or does not offer to is served by chunks; the run's
 accounting is exact. Faults with real processes and kill -9: tests/faults/test_broadcast_faults.py.
 
-Run: pytest tests/engine/test_weights_broadcast.py (the late joiner's run: add -m slow)
+Run: pytest tests/engine/trainer/test_weights_broadcast.py (the late joiner's run: add -m slow)
 """
 
 import asyncio
@@ -17,40 +17,30 @@ from tailrace.engine.generator.service import GeneratorService
 from tailrace.engine.trainer.service import TrainerService
 from tailrace.protocol.messages import WeightsAck, WeightsFetch, WeightsNotice
 
-RUN = ["--train.groups_per_step", "1", "--sampling.group_size", "2", "--sampling.max_new_tokens", "8",
-       "--reward.mode", "builtin", "--trainer.bind", "tcp://127.0.0.1:0", "--trainer.heartbeat_interval_s", "0.2",
-       "--trainer.stats_interval_s", "0.2", "--trainer.weights_broadcast_timeout_s", "3",
-       "--trainer.weights_bucket_bytes", "65536", "--generator.max_batch_size", "4", "--generator.speculation",
-       "false", "--controller.max_staleness", "1"]
 
-
-def _bits(state):
-    return {k: v.detach().reshape(-1).view(torch.uint8).clone() for k, v in state.items()}
-
-
-def _trainer(tmp_path, steps, *extra):
-    cfg = load_config(None, [*RUN, "--train.steps", str(steps), "--trainer.runs_dir", str(tmp_path),
+def _trainer(tmp_path, steps, run, bits, *extra):
+    cfg = load_config(None, [*run, "--train.steps", str(steps), "--trainer.runs_dir", str(tmp_path),
                              "--trainer.run_name", "bc", *extra])
     service = TrainerService(cfg)
     published = {}
 
     def publish(model, version, state, _publish=service.store.publish):
         if model == "policy":
-            published[version] = _bits(state)
+            published[version] = bits(state)
         return _publish(model, version, state)
 
     service.store.publish = publish
     return service, published
 
 
-def _generator(address, name, *extra):
-    gen = GeneratorService(load_config(None, [*RUN, *extra]), address, name=name)
+def _generator(address, name, run, bits, *extra):
+    gen = GeneratorService(load_config(None, [*run, *extra]), address, name=name)
     loaded = {}  # version -> the model's bits right after loading it
     real = gen.backend.update_weights
 
     def update_weights(weights, version):
         real(weights, version)
-        loaded[version] = _bits(gen.backend.model.state_dict())
+        loaded[version] = bits(gen.backend.model.state_dict())
 
     gen.backend.update_weights = update_weights
     return gen, loaded
@@ -75,11 +65,11 @@ def _exact(summary):
 
 
 @pytest.mark.timeout(120)
-async def test_every_version_reaches_each_generator_bit_equal_by_broadcast(tmp_path):
-    trainer, published = _trainer(tmp_path, 3)
+async def test_every_version_reaches_each_generator_bit_equal_by_broadcast(tmp_path, broadcast_run, weight_bits):
+    trainer, published = _trainer(tmp_path, 3, broadcast_run, weight_bits)
     run = asyncio.create_task(trainer.run())
     address = await _address(trainer)
-    gens = [_generator(address, f"gen-{i}") for i in range(2)]
+    gens = [_generator(address, f"gen-{i}", broadcast_run, weight_bits) for i in range(2)]
     tasks = [asyncio.create_task(g.run()) for g, _ in gens]
     summary = await asyncio.wait_for(run, 90)
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -92,24 +82,25 @@ async def test_every_version_reaches_each_generator_bit_equal_by_broadcast(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-async def test_a_late_joiner_gets_the_broadcast_and_one_that_cannot_join_gets_chunks(tmp_path):
-    trainer, published = _trainer(tmp_path, 8)
+async def test_a_late_joiner_gets_the_broadcast_and_one_that_cannot_join_gets_chunks(tmp_path, broadcast_run,
+                                                                                     weight_bits):
+    trainer, published = _trainer(tmp_path, 8, broadcast_run, weight_bits)
     run = asyncio.create_task(trainer.run())
     address = await _address(trainer)
-    first, first_loaded = _generator(address, "gen-0")
+    first, first_loaded = _generator(address, "gen-0", broadcast_run, weight_bits)
     tasks = [asyncio.create_task(first.run())]
-    unreachable, unreachable_loaded = _generator(address, "gen-far")
+    unreachable, unreachable_loaded = _generator(address, "gen-far", broadcast_run, weight_bits)
     real_receive = unreachable.receiver.receive
     # Its notices name a store port nothing listens on: a real failed join, after the notice's timeout.
     unreachable.receiver.receive = lambda notice: real_receive(
         type(notice)(**{**{f: getattr(notice, f) for f in notice.__struct_fields__}, "broadcast_store": "127.0.0.1:1"}))
     tasks.append(asyncio.create_task(unreachable.run()))
-    chunky, chunky_loaded = _generator(address, "gen-chunks", "--generator.weights_transport", "chunks")
+    chunky, chunky_loaded = _generator(address, "gen-chunks", broadcast_run, weight_bits, "--generator.weights_transport", "chunks")
     tasks.append(asyncio.create_task(chunky.run()))
     while trainer.learner.policy_version < 5:
         await asyncio.sleep(0.05)
         assert not run.done(), run
-    late, late_loaded = _generator(address, "gen-late")
+    late, late_loaded = _generator(address, "gen-late", broadcast_run, weight_bits)
     tasks.append(asyncio.create_task(late.run()))
     summary = await asyncio.wait_for(run, 150)
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -128,8 +119,8 @@ async def test_a_late_joiner_gets_the_broadcast_and_one_that_cannot_join_gets_ch
 
 
 @pytest.mark.timeout(60)
-async def test_a_failed_broadcast_is_acknowledged_and_the_same_version_fetched_by_chunks():
-    gen = GeneratorService(load_config(None, RUN), "tcp://127.0.0.1:1", name="g")
+async def test_a_failed_broadcast_is_acknowledged_and_the_same_version_fetched_by_chunks(broadcast_run):
+    gen = GeneratorService(load_config(None, broadcast_run), "tcp://127.0.0.1:1", name="g")
     sent = []
 
     class Client:
