@@ -147,20 +147,40 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
     """Connect to the trainer at `address` as a reward server for `tasks` ("*" = any) and answer
     ScoreRequests until the trainer says Shutdown (returns its reason). A refused or unanswered Hello is
     retried with backoff for `connect_timeout_s` (math.inf: until a trainer answers), saying "waiting for a
-    trainer at ADDR" every `waiting_every_s` meanwhile (0: silent). Raises transport.ConnectionLost when the trainer
-    disappears, Rejected / ConnectTimeout when it cannot join."""
+    trainer at ADDR" every `waiting_every_s` meanwhile (0: silent). A session the trainer declared dead while
+    this process was alive (frozen, starved: Error 410) is followed by a new one under the same name, its
+    unanswered requests dropped (the trainer sends them elsewhere). Raises transport.ConnectionLost when the
+    trainer disappears or a successor takes the name over (409), Rejected / ConnectTimeout when it cannot join."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     tasks = tuple(tasks)
     scorer = _Scorer(score_fn, max_concurrency, timeout_s)
-    client = Client(address, role="reward", name=name or f"reward-{socket.gethostname()}-{os.getpid()}",
-                    tasks=tasks, max_inflight=max_concurrency, curve_server_key=curve_server_key,
-                    curve_secret_key=curve_secret_key, context=context)
+    name = name or f"reward-{socket.gethostname()}-{os.getpid()}"
+    telemetry = RewardTelemetry(name, max_concurrency)
+    try:
+        while True:
+            client = Client(address, role="reward", name=name, tasks=tasks, max_inflight=max_concurrency,
+                            curve_server_key=curve_server_key, curve_secret_key=curve_secret_key, context=context)
+            try:
+                return await _session(client, scorer, telemetry, tasks, connect_timeout_s, waiting_every_s,
+                                      on_welcome)
+            except ConnectionLost as exc:
+                if not exc.declared_dead:
+                    raise
+                log.warning("reward server %s: %s; joining again as a new session", name, exc)
+    finally:
+        scorer.close()
+
+
+async def _session(client: Client, scorer: _Scorer, telemetry: RewardTelemetry, tasks: tuple[str, ...],
+                   connect_timeout_s: float, waiting_every_s: float,
+                   on_welcome: Callable[[Welcome], None] | None) -> str:
+    """One session of serve(): Hello, then requests until Shutdown (its reason) or ConnectionLost."""
+    max_concurrency = client.hello.max_inflight
     active: set[asyncio.Task] = set()
     failed: asyncio.Future = asyncio.get_running_loop().create_future()
-    telemetry = RewardTelemetry(client.hello.name, max_concurrency)
 
     def done(task: asyncio.Task) -> None:
         active.discard(task)
@@ -219,7 +239,6 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
             task.cancel()
         await asyncio.gather(*active, *([stats] if stats else []), return_exceptions=True)
         await client.close()
-        scorer.close()
 
 
 async def _next_message(client: Client, failed: asyncio.Future) -> Any:

@@ -306,3 +306,19 @@ async def test_example_reward_server(trainer):
     assert partial.reward == pytest.approx(0.5 * 2 / 3) and partial.details["exact"] == 0.0
     with pytest.raises(ScoreFailed, match="no 'answer'"):
         await asyncio.wait_for(router.score("copy", "p", "c", {}), WAIT_S)
+
+
+async def test_a_server_declared_dead_while_alive_joins_again_and_keeps_scoring(trainer):
+    """The trainer's dead verdict (Error 410) on a reward server that is alive (it was frozen or starved):
+    serve() starts a new session under the same name instead of exiting, and scores again."""
+    server, attach = trainer
+    task = await attach(lambda p, c, m: 0.5, name="grader")
+    (peer,) = [p for p in server.peers.values() if p.name == "grader"]
+    peer.last_seen_s = -1e9  # silent for ages: the next liveness pass declares it dead, as after a SIGSTOP
+    deadline = asyncio.get_running_loop().time() + 3 * WAIT_S
+    while not (server.counters["peers/dead"] == 1 and [p for p in server.peers.values() if p.name == "grader"]):
+        assert asyncio.get_running_loop().time() < deadline, "no new session after the dead verdict"
+        assert not task.done(), task
+        await asyncio.sleep(0.05)
+    assert not task.done()
+    assert (await score(RewardRouter(server))).reward == 0.5
