@@ -67,9 +67,16 @@ class ChatTemplate:
         if self.override is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"data: row {index} is conversational but the tokenizer has no chat template; set "
                              f"data.chat_template to a Jinja template file (or give the prompt as text)")
+        from jinja2 import (
+            TemplateError,  # transformers' dependency; the template's raise_exception() raises it
+        )
+
         kwargs = dict(add_generation_prompt=True, chat_template=self.override)
-        text = self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
-        ids = self.tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+            ids = self.tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
+        except TemplateError as exc:  # e.g. a role the template refuses: name the row, as for any bad row
+            raise ValueError(f"data: row {index}: the chat template cannot render it: {exc}") from exc
         if isinstance(ids, Mapping):  # transformers >= 5 returns a BatchEncoding by default
             ids = ids["input_ids"]
         return [int(i) for i in ids], text

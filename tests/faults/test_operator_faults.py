@@ -116,16 +116,23 @@ def test_chat_rows_without_a_template_are_refused_at_start_up_in_one_line(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_bad_row_met_during_admission_stops_the_run_with_its_message(tmp_path):
+    """A row that passes the start-up checks (data/checks.py reads the first rows; a usable chat template is
+    not run there) but fails when admitted: the template refuses its role. The run stops with the message."""
     rows = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "bcd", "cde", "def")]
-    rows.append({"question": "a row without the prompt field"})
+    rows.append({"prompt": [{"role": "tool", "content": "abc"}], "answer": "cba"})
     data = _chat_rows(tmp_path / "rows.jsonl", rows + rows[:4] * 4)
+    template = tmp_path / "no_tools.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'tool' %}"
+                        "{{ raise_exception('tool turns are not supported') }}{% endif %}{{ m['content'] }}\n"
+                        "{% endfor %}")
     runs = tmp_path / "runs"
     run = fk.Run(fk.run_args(runs, "bad", steps=50, extra=("--data.source", str(data), "--data.task", "reverse",
+                                                           "--data.chat_template", str(template),
                                                            "--launch.num_generators", "1")), runs / "bad")
     code = run.finish(timeout_s=150)  # today: the net loop dies with it, and the run waits forever
     out = run.output()
     assert code != 0, out[-3000:]
-    assert "data: row 4 has no string field 'prompt'" in out, out[-3000:]
+    assert "data: row 4: the chat template cannot render it: tool turns are not supported" in out, out[-3000:]
     summary = json.loads((runs / "bad" / "summary.json").read_text())
     assert "row 4" in summary["stop_reason"]
     gen_log = (runs / "bad" / "logs" / "gen-0.log").read_text()
