@@ -126,7 +126,9 @@ class Faulty:
 
 
 def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    steps = 200 if quick else 400  # the run must outlive the scripted faults (a step is ~0.1 s when idle)
+    # The faulty run must outlive the scripted faults: a step is ~0.1 s on an idle machine, and the frozen
+    # generator alone (15 s past its 10 s dead verdict) lets the other generator train ~150 steps.
+    steps = 600 if quick else 1000
     runs = Path(tempfile.mkdtemp(prefix="tailrace-faults-"))
     try:
         wall_clean = _clean(runs, steps, log)
