@@ -133,7 +133,7 @@ def blame(venv: Path, check: Check, env: dict[str, str], changed: dict[str, tupl
     order = sorted(changed, key=lambda n: (first.index(n) if n in first else len(first), n))
     for name in order:
         pinned, newest = changed[name]
-        print(f"drift: trying {name}=={pinned} (newest {newest}) ...", flush=True)
+        print(f"drift: trying {name}=={pinned} (installed: {newest}) ...", flush=True)
         pip(venv, "--no-deps", f"{name}=={pinned}")
         ok, _ = check.run(env)
         pip(venv, "--no-deps", f"{name}=={newest}")
@@ -141,7 +141,7 @@ def blame(venv: Path, check: Check, env: dict[str, str], changed: dict[str, tupl
             return f"drift: FAILED: {name} {newest} breaks `{check.name}` ({pinned}, pinned, passes)"
     listed = ", ".join(f"{n} {changed[n][0]} -> {changed[n][1]}" for n in order) or "none"
     return f"drift: FAILED: `{check.name}` fails with the newest releases; no single pinned version fixes it " \
-           f"(newer than constraints.txt: {listed})"
+           f"(differing from constraints.txt: {listed})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     newest = versions(args.venv)
     changed = {n: (pinned[n], v) for n, v in newest.items() if n in pinned and pinned[n] != v}
     new = sorted(n for n in newest if n not in pinned)
-    print("drift: newer than constraints.txt: "
+    print("drift: differs from constraints.txt: "
           + (", ".join(f"{n} {a} -> {b}" for n, (a, b) in sorted(changed.items())) or "nothing")
           + (f"; not pinned: {', '.join(new)}" if new else ""), flush=True)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(output, file=sys.stderr)
                 print(blame(args.venv, check, env, changed), flush=True)
                 return 1
-    print(f"drift: OK: the newest releases pass every check ({len(changed)} newer than constraints.txt)")
+    print(f"drift: OK: the newest releases pass every check ({len(changed)} differing from constraints.txt)")
     return 0
 
 
