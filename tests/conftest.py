@@ -16,3 +16,23 @@ def tiny_lm():
     """tiny_lm(arch="qwen2", *, seed=0, dtype=None, attn=None, **config) -> a tiny causal LM
     (tests/tiny_lms.py: build)."""
     return tiny_lms.build
+
+
+@pytest.fixture
+def overlay_venv(tmp_path):
+    """A fresh venv's python that also sees this venv's packages through a .pth line (after its own), so
+    torch and transformers are not downloaded again; what is installed into it wins over them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+
+    def purelib(exe):
+        return subprocess.run([str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    (Path(purelib(python)) / "base.pth").write_text(purelib(sys.executable) + "\n")
+    return python

@@ -111,17 +111,12 @@ def test_pin_renders_what_it_reads(tmp_path):
 
 
 @pytest.mark.slow
-def test_newest_transformers_and_kernels_from_the_repository_root(tmp_path):
+def test_newest_transformers_and_kernels_from_the_repository_root(tmp_path, overlay_venv):
     """A fresh venv (this one's packages reached through a .pth line, so torch is not downloaded again)
     with the newest transformers and Hugging Face `kernels` from the package index, and tailrace
     installed editable: `tailrace run` and a test file, both started in the repository root."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    vpython = venv / "bin" / "python"
-    purelib = lambda exe: subprocess.run(  # noqa: E731
-        [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True).stdout.strip()
-    (Path(purelib(vpython)) / "base.pth").write_text(purelib(sys.executable) + "\n")
+    vpython = overlay_venv
+    venv = vpython.parent.parent
     pip = [str(vpython), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "--upgrade", "transformers", "kernels"], check=True, timeout=600)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True, timeout=600)

@@ -83,16 +83,11 @@ print(json.dumps({"hf_kernels": hasattr(kernels, "get_kernel") and "/site-packag
 """
 
 
-def test_tailrace_and_hugging_face_kernels_install_together(tmp_path):
+def test_tailrace_and_hugging_face_kernels_install_together(tmp_path, overlay_venv):
     """A fresh venv (reusing this one's torch/transformers through a .pth line, so nothing large is
     downloaded) gets a built wheel of tailrace and PyPI's `kernels`: both import, both work."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    purelib = lambda exe: subprocess.run(  # noqa: E731
-        [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True).stdout.strip()
-    (Path(purelib(python)) / "base.pth").write_text(purelib(sys.executable) + "\n")
+    python = overlay_venv
+    venv = python.parent.parent
     source = tmp_path / "src"
     source.mkdir()  # a copy, so the wheel build writes no build/ into the checkout
     for name in ("pyproject.toml", "README.md", "engine", "kernels", "protocol"):

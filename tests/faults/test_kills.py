@@ -14,17 +14,9 @@ from tools.benches import faultkit as fk
 from tools.benches.faults import Faulty
 
 
-def _exact(run_dir):
-    counted = fk.accounting(run_dir)
-    assert counted["samples_lost"] == 0, counted["summary"]
-    assert counted["samples_trained_twice"] == 0
-    assert counted["samples_trained_logged"] == counted["summary"]["samples_trained"]
-    return counted["summary"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path):
+def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path, exact_accounting):
     # Enough steps that the run outlives the scripted faults on an idle machine (a step takes ~0.1 s).
     steps = 300
     faulty = Faulty(tmp_path / "runs", steps=steps, seed=random.randrange(1 << 30), log=print)
@@ -33,16 +25,16 @@ def test_kill_9_of_each_role_at_random_moments_then_resume(tmp_path):
         faulty.resumed_run(watch, fuzz_frames=40)
     figures = faulty.figures
     assert figures["kills_survived"] == figures["kills"] == 3 and figures["hangs"] == figures["crashes"] == 0, figures
-    summary = _exact(faulty.run_dir)
+    summary = exact_accounting(faulty.run_dir)
     assert summary["steps"] == steps
     # The silent generator's samples came back: by its lease running out, or (when the script's random
-    # timing lets it leave first) as a dead generator's; either way re-dispatched and trained once (_exact).
+    # timing lets it leave first) as a dead generator's; either way re-dispatched and trained once (exact_accounting).
     assert summary["discarded"].get("lease_expired", 0) + summary["discarded"].get("generator_dead", 0) > 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigint_then_resume_trains_every_prompt_once(tmp_path):
+def test_sigint_then_resume_trains_every_prompt_once(tmp_path, exact_accounting):
     runs = tmp_path / "runs"
     args = fk.run_args(runs, "int", steps=16)
     run = fk.Run(args, runs / "int")
@@ -53,11 +45,11 @@ def test_sigint_then_resume_trains_every_prompt_once(tmp_path):
         run.stop()
     resumed = fk.Run(args, runs / "int", resume=True)
     assert resumed.finish(timeout_s=240) == 0, resumed.output()[-3000:]
-    assert _exact(runs / "int")["steps"] == 16
+    assert exact_accounting(runs / "int")["steps"] == 16
 
 
 @pytest.mark.timeout(200)
-def test_a_fuzz_burst_on_the_live_trainer_while_it_trains(tmp_path):
+def test_a_fuzz_burst_on_the_live_trainer_while_it_trains(tmp_path, exact_accounting):
     runs = tmp_path / "runs"
     run = fk.Run(fk.run_args(runs, "fuzz", steps=1000, extra=("--launch.num_generators", "1")), runs / "fuzz")
     try:
@@ -70,4 +62,4 @@ def test_a_fuzz_burst_on_the_live_trainer_while_it_trains(tmp_path):
     finally:
         run.stop()
     assert "crashed" not in run.output()
-    _exact(run.run_dir)
+    exact_accounting(run.run_dir)

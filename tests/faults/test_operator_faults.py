@@ -20,17 +20,9 @@ import pytest
 from tools.benches import faultkit as fk
 
 
-def _exact(run_dir):
-    counted = fk.accounting(run_dir)
-    assert counted["samples_lost"] == 0, counted["summary"]
-    assert counted["samples_trained_twice"] == 0
-    assert counted["samples_trained_logged"] == counted["summary"]["samples_trained"]
-    return counted["summary"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_generator_frozen_past_the_dead_verdict_rejoins_and_the_run_finishes_exactly(tmp_path):
+def test_a_generator_frozen_past_the_dead_verdict_rejoins_and_the_run_finishes_exactly(tmp_path, exact_accounting):
     runs = tmp_path / "runs"
     # The launcher's default on_child_crash (stop): a generator that exits on waking stops the run. The dead
     # verdict after 3 missed 1-s heartbeats keeps the test short; the freeze lasts well past it.
@@ -52,7 +44,7 @@ def test_a_generator_frozen_past_the_dead_verdict_rejoins_and_the_run_finishes_e
     finally:
         run.stop()
     assert "crashed" not in run.output(), run.output()[-3000:]
-    summary = _exact(runs / "frozen")
+    summary = exact_accounting(runs / "frozen")
     assert summary["discarded"].get("generator_dead", 0) > 0  # what it held went to gen-1, and trained once
 
 
@@ -62,7 +54,7 @@ CHECKPOINT_MB = 16  # one checkpoint of the tiny model: model + Adam state (DCP)
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not fk.can_mount(), reason="mounting a tmpfs needs root")
-def test_a_full_disk_is_named_leaves_no_partial_checkpoint_and_the_run_resumes_exactly(tmp_path):
+def test_a_full_disk_is_named_leaves_no_partial_checkpoint_and_the_run_resumes_exactly(tmp_path, exact_accounting):
     runs = tmp_path / "runs"
     args = [a for a in fk.run_args(runs, "full", steps=12) if a != "--no-progress"]  # the launcher's own line
     with fk.small_disk(runs / "full", 2 * CHECKPOINT_MB + CHECKPOINT_MB // 2) as disk:
@@ -85,7 +77,7 @@ def test_a_full_disk_is_named_leaves_no_partial_checkpoint_and_the_run_resumes_e
         disk.grow(1024)  # room again
         resumed = fk.Run(args, runs / "full", resume=True)
         assert resumed.finish(timeout_s=240) == 0, resumed.output()[-3000:]
-        assert _exact(runs / "full")["steps"] == 12
+        assert exact_accounting(runs / "full")["steps"] == 12
 
 
 def _chat_rows(path, rows):
@@ -115,7 +107,7 @@ def test_chat_rows_without_a_template_are_refused_at_start_up_in_one_line(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_bad_row_met_during_admission_stops_the_run_with_its_message(tmp_path):
+def test_a_bad_row_met_during_admission_stops_the_run_with_its_message(tmp_path, exact_accounting):
     """A row that passes the start-up checks (data/checks.py reads the first rows; a usable chat template is
     not run there) but fails when admitted: the template refuses its role. The run stops with the message."""
     rows = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "bcd", "cde", "def")]
@@ -137,4 +129,4 @@ def test_a_bad_row_met_during_admission_stops_the_run_with_its_message(tmp_path)
     assert "row 4" in summary["stop_reason"]
     gen_log = (runs / "bad" / "logs" / "gen-0.log").read_text()
     assert "row 4" in gen_log and "run finished" not in gen_log  # told the real reason
-    _exact(runs / "bad")
+    exact_accounting(runs / "bad")
