@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-drift")
     parser.add_argument("--keep", action="store_true", help="reuse --venv if it exists (no fresh install)")
     args = parser.parse_args(argv)
+    args.venv = args.venv.resolve()  # the checks run from other folders too
     if not (args.keep and (args.venv / "bin" / "python").exists()):
         build(args.venv)
     pinned = read(ROOT / "constraints.txt")
