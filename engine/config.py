@@ -363,6 +363,25 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """Multi-turn episodes (docs/environments.md): environment servers attach over the protocol like reward servers."""
+
+    max_turns: int = 1  # assistant turns per episode; 1 = single-turn (no environment is asked)
+    max_episode_tokens: int = 0  # completion tokens per episode, assistant and observation tokens together; 0 = sampling.max_new_tokens
+    timeout_s: float = 30.0  # per reset / step request to an environment server
+    wait_for_server_s: float = 60.0  # how long an episode waits for an environment server to attach (then: discarded, no_env_server)
+    server: str = ""  # module:Class of a Python environment that `tailrace run` serves itself (an environment server process); "" = attach your own
+
+    def __post_init__(self):
+        _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
+        _check(self.max_episode_tokens >= 0, "env.max_episode_tokens", "must be >= 0")
+        _check(self.timeout_s > 0, "env.timeout_s", "must be > 0")
+        _check(self.wait_for_server_s >= 0, "env.wait_for_server_s", "must be >= 0")
+        module, sep, attr = self.server.partition(":")
+        _check(not self.server or bool(sep and module and attr), "env.server", f"{self.server!r}: expected module:Class")
+
+
+@dataclass(kw_only=True)
 class LaunchConfig:
     num_generators: int = 2  # generator processes
     reward_server: bool = True  # start a reward server: reward.functions' weighted sum when set, else the built-in tasks' (not with reward.mode = servers)
@@ -410,6 +429,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
