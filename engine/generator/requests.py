@@ -31,6 +31,10 @@ class Request:
     sample_id: int
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # A multi-turn episode (engine/generator/episodes.py): a stop token ends the assistant turn and parks the
+    # row with its cache (Finished "turn"); resume() feeds the observation and decoding goes on. max_new_tokens
+    # is then the episode's budget, observation tokens included. Torch backend only.
+    episode: bool = False
 
 
 def requests_for(item: WorkItem) -> list[Request]:
@@ -45,7 +49,9 @@ class Finished:
     """A sample that left the backend. Tensors are 1-D, on the CPU, one entry per completion token.
 
     finish_reason: "stop" (a stop token or eos was sampled; it is the last completion token),
-    "length" (max_new_tokens or max_model_len reached) or "cancelled". queue_s: seconds from add()
+    "length" (max_new_tokens or max_model_len reached) or "cancelled"; for an episode row also "turn" (an
+    assistant turn ended: the row is parked with its cache until Backend.resume / finish; the episode loop
+    consumes it, it never leaves the generator) and an environment's discard reason (EnvironmentError.reason). queue_s: seconds from add()
     to the first sampled token; decode_s: from the first token to the finish (time.monotonic)."""
 
     group_id: int
@@ -57,6 +63,12 @@ class Finished:
     finish_reason: str
     queue_s: float
     decode_s: float
+    # Episodes (Request.episode): loss_mask bool [T], False for observation tokens (which carry log-prob 0.0 and
+    # the version loaded when they were fed); None for a single-turn sample (every token is the policy's).
+    # env_reward: the environment's rewards summed (None: it gave none); num_turns: assistant turns.
+    loss_mask: torch.Tensor | None = None
+    env_reward: float | None = None
+    num_turns: int = 1
 
 
 @dataclass

@@ -323,6 +323,23 @@ class SpeculativeDecoder:
         self.pending_feat_RH[rows] = torch.where(has_prefill_b1, hidden_bTH[:, -1], 0.0)
         self.stale_back = max(self.stale_back, width)
 
+    def on_resume(self, row: int, ids_1T: torch.Tensor, positions_1T: torch.Tensor, hidden_1TH: torch.Tensor,
+                  num_cached: int) -> None:
+        """An episode row came back (backend.TorchBackend.resume) with its cached columns and per-column state
+        copied, and was prefilled with ids_1T ending at column end. Its drafter inputs for the new columns are
+        set as a plain step would (the first one's feature is the row's pending one, restored with it), and
+        the drafter keys/values of its whole span are recomputed at the next eagle step: they moved columns
+        and may predate a drafter update. Drafts only change acceptance, never the tokens' distribution."""
+        if not self.eagle:
+            return
+        kv, width = self.rows.kv, ids_1T.shape[1]
+        cols = slice(kv.end - width, kv.end)
+        self.ids_RC[row, cols] = ids_1T[0]
+        self.pos_RC[row, cols] = positions_1T[0]
+        self.feats_RCH[row, cols] = torch.cat((self.pending_feat_RH[row, None], hidden_1TH[0, :-1]))
+        self.pending_feat_RH[row] = hidden_1TH[0, -1]
+        self.stale_back = max(self.stale_back, num_cached + width)
+
     def before_plain_forward(self, num_rows: int, col: int) -> None:
         if not self.eagle:
             return

@@ -16,6 +16,12 @@ off, eagle@k or the model-free suffix@k) replaces the decode step by speculative
 (one host sync per step): k drafted tokens verified by one policy_forward() with
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
+Multi-turn episodes (Request.episode): a row whose assistant turn ends (any stop token: eos, the chat template's
+end-of-turn token, the request's stop ids) leaves the batch as Finished "turn" with its cached keys/values copied
+out (parked); resume(key, observation) brings it back into a free row at a later admission and prefills the
+observation against that cache, then decoding goes on in the same row; finish(key, reason) ends it. A parked
+row holds no batch row, but counts against capacity() until it is finished, so the service never takes more
+samples than max_batch_size rows can hold when they all come back.
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
 and forks at fixed completion depths, or where the next token is uncertain, into clone rows (copies of
 its cache row and outputs); see tree.py.
@@ -69,6 +75,15 @@ class _Seq:
     next_fork: int = 0
     tree_done: bool = False  # a held sample given back: it runs as an ordinary request
     suffix: object = None  # speculative decoding: the sample's text in its prompt's suffix index
+    num_turns: int = 1  # episodes: assistant turns so far, this one included
+
+
+@dataclass
+class _Parked:
+    """An episode row between turns: its sample and the copies rows.RowState.take made of its row."""
+
+    seq: _Seq
+    saved: tuple
 
 
 def masked_gqa_on_cpu() -> None:
@@ -133,6 +148,8 @@ class TorchBackend:
         self._depth_policy = None  # choose(num_running) -> k, update(num_running, k, num_tokens, seconds)
         self._waiting: deque[_Seq] = deque()
         self._num_unstamped = 0
+        self._parked: dict[tuple[int, int], _Parked] = {}  # (group, sample) -> an episode row awaiting resume()
+        self._resuming: deque[tuple[_Parked, list[int]]] = deque()  # with their observations, before admission
 
     @staticmethod
     def _check_args(config, max_batch_size: int, max_model_len: int) -> None:
@@ -182,12 +199,18 @@ class TorchBackend:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running yet, tree sampling's held branches included."""
-        return len(self._waiting) + sum(len(s.branches) for s in self.rows.seqs)
+        """Requests not running yet, tree sampling's held branches and resumed episode rows included."""
+        return len(self._waiting) + sum(len(s.branches) for s in self.rows.seqs) + len(self._resuming)
+
+    @property
+    def num_parked(self) -> int:
+        """Episode rows between turns, waiting for resume() or finish()."""
+        return len(self._parked)
 
     def capacity(self) -> int:
-        """Requests this backend can take now without queueing beyond one batch."""
-        return max(0, self.max_batch_size - self.num_running - self.num_waiting)
+        """Requests this backend can take now without queueing beyond one batch (parked rows count: they
+        come back)."""
+        return max(0, self.max_batch_size - self.num_running - self.num_waiting - self.num_parked)
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -247,6 +270,8 @@ class TorchBackend:
         """Queue one request; it joins the running batch at a later step(). Raises ValueError for a
         prompt that is empty, leaves no room for a completion token, or holds an id outside the vocab."""
         check_request(request, max_model_len=self.max_model_len, vocab_size=self._vocab_size)
+        if request.episode and self.tree is not None:
+            raise ValueError("tree sampling (generator.fork_depths) does not run multi-turn episodes (env.max_turns > 1)")
         seed = request.sampling.seed
         gen = self._generator if seed is None else request_generator(seed, request.sample_id)
         self._waiting.append(_Seq(request, gen, time.monotonic()))
@@ -260,7 +285,45 @@ class TorchBackend:
                for s in self._waiting if s.request.group_id in groups]
         self._waiting = deque(s for s in self._waiting if s.request.group_id not in groups)
         rows = [i for i, s in enumerate(self.rows.seqs) if s.request.group_id in groups]
-        return out + self._finish_rows(rows, ["cancelled"] * len(rows))
+        out += self._finish_rows(rows, ["cancelled"] * len(rows))
+        resuming = [p for p, _ in self._resuming if p.seq.request.group_id in groups]
+        self._resuming = deque(r for r in self._resuming if r[0].seq.request.group_id not in groups)
+        parked = [key for key in self._parked if key[0] in groups]
+        return out + [self._parked_finished(p, "cancelled") for p in resuming] + \
+            [self.finish(key, "cancelled") for key in parked]
+
+    def resume(self, key: tuple[int, int], observation_ids: Sequence[int]) -> None:
+        """Continue a parked episode row (group_id, sample_id): its next admission prefills these tokens
+        against its kept cache (after the token that ended its turn), then it decodes on. ValueError for an
+        unknown key, an empty observation, ids outside the vocabulary, or one that leaves no room to decode."""
+        parked = self._parked.get(key)
+        if parked is None:
+            raise ValueError(f"resume: group {key[0]} sample {key[1]} is not parked")
+        ids = [int(t) for t in observation_ids]
+        if not ids or min(ids) < 0 or max(ids) >= self._vocab_size:
+            raise ValueError(f"resume: the observation must be 1 or more ids in [0, {self._vocab_size})")
+        states = parked.saved[0]
+        num_gen, limit = int(states[2]), int(states[3])  # rows.RowState's num_gen_R and limit_R
+        if num_gen + len(ids) >= limit:
+            raise ValueError(f"resume: {len(ids)} observation tokens leave no room in the episode's budget of "
+                             f"{limit} completion tokens ({num_gen} used)")
+        del self._parked[key]
+        parked.seq.num_turns += 1
+        self._resuming.append((parked, ids))
+
+    def finish(self, key: tuple[int, int], reason: str) -> Finished:
+        """End a parked episode row with this finish reason (its completion as it stands)."""
+        parked = self._parked.pop(key, None)
+        if parked is None:
+            raise ValueError(f"finish: group {key[0]} sample {key[1]} is not parked")
+        if self._spec is not None and reason != "cancelled":
+            self._spec.on_finish(parked.seq, parked.saved[0][5][:int(parked.saved[0][2])].tolist())
+        return self._parked_finished(parked, reason)
+
+    def _parked_finished(self, parked: _Parked, reason: str) -> Finished:
+        states = parked.saved[0]
+        length = int(states[2])
+        return self._finished(parked.seq, tuple(t[:length].cpu() for t in states[5:9]), reason)
 
     # inference_mode, not no_grad: a quarter less per-op overhead on a CPU. Everything that leaves the
     # backend (Finished, traces) is copied out as ordinary tensors, since a trainer's autograd graph in
@@ -270,6 +333,7 @@ class TorchBackend:
         """Admit waiting requests (unless paused), run one decode step for all running rows, and
         return the samples that finished in it."""
         if not self.pause_admission:
+            self._admit_resumed()
             self._admit()
         if not self.rows.seqs:
             return []
@@ -352,6 +416,40 @@ class TorchBackend:
         self._num_unstamped = num_new  # rows at the end that get their first token this step
         self.stats.num_prefill_tokens += sum(lengths[:num_unique])
         self.stats.prefill_s += time.monotonic() - start_s
+
+    def _admit_resumed(self) -> None:
+        """Bring resumed episode rows back into free rows, one prefill forward each: the token that ended the
+        turn and the observation but its last token, against the row's kept cache (the last observation token
+        is fed by the decode step, as a prompt's last token is)."""
+        kv = self.rows.kv
+        while self._resuming and self.rows.num_rows < self.max_batch_size:
+            start_s = time.monotonic()
+            parked, obs = self._resuming.popleft()
+            row, states = self.rows.num_rows, parked.saved[0]
+            feed = [int(states[0])] + obs[:-1]  # pending_R: the token that ended the turn
+            num_cached = int(parked.saved[1][0][0].shape[1])
+            kv.reserve_left(row, num_cached + len(feed))
+            self.rows.put(parked.seq, parked.saved, kv.end - len(feed))
+            rows, start = slice(row, row + 1), kv.end - len(feed)
+            kv.valid_RC[row, start:kv.end] = True
+            ids_1T = torch.tensor([feed], dtype=torch.long, device=self.device)
+            pos = int(states[1])
+            positions_1T = torch.arange(pos, pos + len(feed), device=self.device)[None]
+            kv.set_window(rows, start, kv.lo)
+            hidden_1TH = self._forward(ids_1T, positions_1T, kv.attention_mask(rows, start, len(feed), kv.lo))
+            num_gen = int(states[2])
+            span = slice(num_gen, num_gen + len(obs))
+            self.rows.out_tokens_RL[row, span] = torch.tensor(obs, dtype=torch.long, device=self.device)
+            self.rows.out_logprobs_RL[row, span] = 0.0
+            self.rows.out_versions_RL[row, span] = self.policy_version
+            self.rows.out_sampled_RL[row, span] = False
+            self.rows.num_gen_R[row] = num_gen + len(obs)
+            self.rows.pending_R[row] = obs[-1]
+            self.rows.pos_R[row] = pos + len(feed)
+            if self._spec is not None:
+                self._spec.on_resume(row, ids_1T, positions_1T, hidden_1TH, num_cached)
+            self.stats.num_prefill_tokens += len(feed)
+            self.stats.prefill_s += time.monotonic() - start_s
 
     def _fork_rows(self) -> None:
         """Fixed-depth mode, after a step: fork every row that holds samples and reached its next depth."""
@@ -532,7 +630,12 @@ class TorchBackend:
         for row, length, reason in zip(rows, lengths, reasons, strict=True):
             completion = tuple(t.cpu() for t in self.rows.completion(row, length))
             seq = self.rows.seqs[row]
+            if seq.request.episode and reason == "stop":  # the assistant turn ended: park the row
+                self._parked[seq.request.group_id, seq.request.sample_id] = _Parked(seq, self.rows.take(row))
+                reason = "turn"
             out.append(self._finished(seq, completion, reason))
+            if reason == "turn":
+                continue
             # Held samples of a row that ends before forking them start over as requests of their own.
             if reason == "cancelled":
                 out += [self._finished(s, _empty_completion(), reason) for s in seq.branches]
@@ -552,10 +655,11 @@ class TorchBackend:
         now = time.monotonic()
         first = seq.first_token_s or now
         with torch.inference_mode(False):  # ordinary tensors: see step()
-            tokens, logprobs, versions = (t.clone() for t in completion)
+            tokens, logprobs, versions, *sampled = (t.clone() for t in completion)
         req = seq.request
         return Finished(req.group_id, req.sample_id, req.prompt_ids, tokens, logprobs, versions, reason,
-                        queue_s=first - seq.added_s, decode_s=now - first)
+                        queue_s=first - seq.added_s, decode_s=now - first,
+                        loss_mask=sampled[0] if req.episode and sampled else None, num_turns=seq.num_turns)
 
 
 def _shared_prompts_first(seqs: list) -> tuple[list, list[int]]:

@@ -20,6 +20,10 @@ Speculative decoding adds one more layer (add_layer(): the drafter's keys/values
 through the same update()) and per-column state buffers [max_rows, capacity, D] (add_column_state(): the
 token id and the policy's hidden state of each column); every layout change moves them with the keys.
 
+A multi-turn episode's row leaves the batch between turns with its keys/values (take_row: its valid columns,
+copied out) and comes back into a free row ending where new tokens will be fed (put_row), so the next turn
+is prefilled against the kept cache instead of recomputing it (backend.TorchBackend.resume).
+
 The object is handed to a Hugging Face model as its `cache`: the model calls update() once per layer.
 Test: pytest tests/engine/generator/torch_backend/test_backend.py
 """
@@ -228,3 +232,29 @@ class SlotKVCache:
         col_C = torch.arange(self.capacity, device=self.device)
         self.valid_RC[rows] = (col_C >= self.end - length_b[:, None]) & (col_C < self.end)
         self.lo = min(self.lo, self.end - max(lengths, default=0))
+
+    # ------------------------------------------------------------------ rows parked between turns
+
+    def take_row(self, row: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Copies of one row's valid columns, in order: per layer keys then values [heads, n, dim] (None for a
+        layer not allocated yet, e.g. the drafter's before its first step), and each column state [n, D]."""
+        cols = self.valid_RC[row, self.lo:self.end].nonzero().flatten() + self.lo
+        layers = [None if buf is None else buf[row][:, cols].clone() for buf in (*self.keys, *self.values)]
+        return layers, [buf[row, cols].clone() for buf in self.column_states]
+
+    def put_row(self, row: int, layers: list[torch.Tensor | None], states: list[torch.Tensor], stop_col: int) -> int:
+        """Write what take_row copied into `row`, its columns ending at stop_col (exclusive), and make them the
+        row's only valid ones; returns the number of columns. A layer allocated since is left stale there: only
+        the drafter's can be, and the caller has it recomputed (speculative.SpeculativeDecoder.on_resume)."""
+        num = next(t.shape[1] for t in layers if t is not None)
+        start = stop_col - num
+        assert start >= 0, "put_row: the caller must reserve the columns first"
+        for buf, saved in zip((*self.keys, *self.values), layers, strict=True):
+            if buf is not None and saved is not None:
+                buf[row, :, start:stop_col] = saved
+        for buf, saved in zip(self.column_states, states, strict=True):
+            buf[row, start:stop_col] = saved
+        self.valid_RC[row] = False
+        self.valid_RC[row, start:stop_col] = True
+        self.lo = min(self.lo, start)
+        return num

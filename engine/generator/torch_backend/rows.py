@@ -7,8 +7,9 @@ decoder share, behind one public API instead of each reaching into the other.
     pending_R       the next token to feed each row; pos_R its position
     num_gen_R       tokens generated so far; limit_R the completion length cap; stop_RS the stop ids
                     (padded with NO_TOKEN)
-    out_tokens_RL   the rows' completions so far: tokens, behaviour log-probs (out_logprobs_RL) and the
-                    policy version that sampled each token (out_versions_RL)
+    out_tokens_RL   the rows' completions so far: tokens, behaviour log-probs (out_logprobs_RL), the
+                    policy version that sampled each token (out_versions_RL), and whether the policy sampled
+                    it (out_sampled_RL; False for a multi-turn episode's observation tokens)
     arange_R        0 .. max_rows - 1 on the device
     sampling()      the rows' sampling.SamplingBatch, rebuilt only after rows joined or left
 
@@ -55,9 +56,10 @@ class RowState:
         self.out_tokens_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
         self.out_logprobs_RL = torch.zeros(rows, length, dtype=torch.float32, device=dev)
         self.out_versions_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
+        self.out_sampled_RL = torch.ones(rows, length, dtype=torch.bool, device=dev)
         self.arange_R = torch.arange(rows, device=dev)
         self._states = [self.pending_R, self.pos_R, self.num_gen_R, self.limit_R, self.stop_RS,
-                        self.out_tokens_RL, self.out_logprobs_RL, self.out_versions_RL]
+                        self.out_tokens_RL, self.out_logprobs_RL, self.out_versions_RL, self.out_sampled_RL]
         self._sampling: SamplingBatch | None = None
 
     @property
@@ -82,10 +84,11 @@ class RowState:
                                                  [s.generator for s in self.seqs], self.device)
         return self._sampling
 
-    def completion(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first `length` completion tokens, log-probs and versions of a row (views on the device)."""
+    def completion(self, row: int, length: int) -> tuple[torch.Tensor, ...]:
+        """The first `length` completion tokens, log-probs, versions and sampled flags of a row (views on the
+        device)."""
         return (self.out_tokens_RL[row, :length], self.out_logprobs_RL[row, :length],
-                self.out_versions_RL[row, :length])
+                self.out_versions_RL[row, :length], self.out_sampled_RL[row, :length])
 
     # ------------------------------------------------------------------ rows join, leave and move
 
@@ -99,6 +102,7 @@ class RowState:
         self.pending_R[rows] = torch.tensor([p[-1] for p in prompts], device=dev)
         self.pos_R[rows] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         self.num_gen_R[rows] = 0
+        self.out_sampled_RL[rows] = True
         limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(p))
                   for s, p in zip(new, prompts, strict=True)]
         self.limit_R[rows] = torch.tensor(limits, device=dev)
@@ -140,3 +144,22 @@ class RowState:
         dst = torch.tensor(dests, dtype=torch.long, device=self.device)
         for state in self._states:
             state[dst] = state[src]
+
+    # ------------------------------------------------------------------ episode rows parked between turns
+
+    def take(self, row: int) -> tuple[list[torch.Tensor], tuple]:
+        """Copies of one row's state tensors (every registered one) and of its cached columns (kv.take_row),
+        for put() to bring back after an environment's turn; the row itself is left to remove()."""
+        return [state[row].clone() for state in self._states], self.kv.take_row(row)
+
+    def put(self, seq, saved: tuple[list[torch.Tensor], tuple], stop_col: int) -> int:
+        """Append a running row for `seq` from what take() copied, its cached columns ending at stop_col;
+        returns the number of cached columns."""
+        row = self.num_rows
+        states, (layers, column_states) = saved
+        for state, value in zip(self._states, states, strict=True):
+            state[row] = value
+        num = self.kv.put_row(row, layers, column_states, stop_col)
+        self.seqs.append(seq)
+        self._sampling = None
+        return num

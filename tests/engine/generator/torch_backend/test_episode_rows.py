@@ -1,0 +1,168 @@
+"""Multi-turn episode rows in the torch backend: a turn parks the row with its cache, resume() prefills the
+observation against it, and the completion equals a fresh full-sequence forward over prompt, assistant and
+observation tokens; versions stay per token across an in-flight update; cancel and capacity see parked rows;
+speculative decoding stays token-for-token exact under greedy across turns.
+Run: pytest tests/engine/generator/torch_backend/test_episode_rows.py
+"""
+
+import pytest
+import torch
+
+from tailrace.engine.core.drafter import Drafter
+from tailrace.engine.generator.requests import Request
+from tailrace.engine.generator.torch_backend.backend import TorchBackend
+from tailrace.protocol.messages import SamplingParams
+
+torch.set_num_threads(1)
+
+STOPS = list(range(10, 22))  # 12 of 64 ids end a turn: turns of a few tokens on a random tiny model
+OBS = [[5, 6, 7], [8], [30, 31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model("qwen2")
+
+
+def _episodes(backend, requests, *, max_turns=3, on_turn=None, max_steps=400):
+    """Step until every request is done; each "turn" is resumed with the next of OBS until max_turns, then
+    finished "stop" (or "length" where the observation would not fit). Returns ({key: Finished}, {key: [turn Finished...]})."""
+    for r in requests:
+        backend.add(r)
+    done, turns = {}, {}
+    for _ in range(max_steps):
+        for fin in backend.step():
+            key = fin.group_id, fin.sample_id
+            if fin.finish_reason != "turn":
+                done[key] = fin
+                continue
+            turns.setdefault(key, []).append(fin)
+            if on_turn is not None:
+                on_turn(backend, key, len(turns[key]))
+            if len(turns[key]) >= max_turns:
+                done[key] = backend.finish(key, "stop")
+            elif len(fin.completion_ids) + len(OBS[len(turns[key]) - 1]) >= 60:  # the budgets below
+                done[key] = backend.finish(key, "length")
+            else:
+                backend.resume(key, OBS[len(turns[key]) - 1])
+        if len(done) == len(requests):
+            return done, turns
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def _reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _check_against_full_forward(model, fin):
+    """Sampled tokens' behaviour log-probs equal a fresh forward of the whole sequence; observation tokens
+    are where resume() put them, unmasked, log-prob 0."""
+    ids = fin.prompt_ids + fin.completion_ids.tolist()
+    ref = _reference_logprobs(model, ids)[len(fin.prompt_ids) - 1:]
+    mask = fin.loss_mask
+    assert mask is not None and mask.dtype == torch.bool and mask.shape == fin.completion_ids.shape
+    torch.testing.assert_close(fin.behaviour_logprobs.double()[mask], ref[mask], atol=1e-5, rtol=1e-5)
+    assert (fin.behaviour_logprobs[~mask] == 0).all()
+    return mask
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 3])
+def test_turns_keep_the_cache_and_equal_a_full_forward(model, prompts, max_batch_size):
+    # Episode rows and a single-turn row share the batch; with one batch row the parked rows hand it over.
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=s) for s in range(4)]
+    reqs = [Request(i, 0, p, sp[i], episode=i < 3) for i, p in enumerate(prompts(4, seed=5))]
+    backend = TorchBackend(model, max_batch_size=max_batch_size, max_model_len=100)
+    done, turns = _episodes(backend, reqs)
+    for i in range(3):
+        fin = done[i, 0]
+        mask = _check_against_full_forward(model, fin)
+        num_turns = len(turns[i, 0])
+        assert fin.num_turns == num_turns and fin.finish_reason in ("stop", "length")
+        # Exactly the observations are unmasked, each right after a turn's end.
+        expected = torch.ones_like(mask)
+        for t, turn in enumerate(turns[i, 0][:-1]):
+            n = len(turn.completion_ids)
+            expected[n:n + len(OBS[t])] = False
+            assert fin.completion_ids[n:n + len(OBS[t])].tolist() == OBS[t]
+        assert mask.tolist() == expected.tolist()
+    assert done[3, 0].loss_mask is None and done[3, 0].num_turns == 1
+    assert backend.num_parked == 0 and backend.num_running == 0
+
+
+def test_in_flight_update_between_turns_keeps_per_token_versions(model, make_model, prompts):
+    new_weights = make_model("qwen2", seed=1).state_dict()
+
+    def on_turn(backend, key, num_turns):
+        if num_turns == 1:
+            backend.update_weights(new_weights, 7)
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=3)
+    backend = TorchBackend(make_model("qwen2"), max_batch_size=2, max_model_len=100)
+    done, turns = _episodes(backend, [Request(0, 0, prompts(1, seed=6)[0], sp, episode=True)], max_turns=2,
+                            on_turn=on_turn)
+    fin, first = done[0, 0], len(turns[0, 0][0].completion_ids)
+    assert len(turns[0, 0]) == 2
+    assert (fin.policy_versions[:first] == 0).all() and (fin.policy_versions[first:] == 7).all()
+    # The first turn came from the old weights: its log-probs are the old model's over the same tokens.
+    ids = fin.prompt_ids + fin.completion_ids.tolist()
+    ref = _reference_logprobs(model, ids)[len(fin.prompt_ids) - 1:]
+    torch.testing.assert_close(fin.behaviour_logprobs.double()[:first], ref[:first], atol=1e-5, rtol=1e-5)
+
+
+def test_cancel_parked_and_resuming_rows_and_capacity(model, prompts):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=4)
+    backend = TorchBackend(model, max_batch_size=4, max_model_len=100)
+    for g, p in enumerate(prompts(2, seed=7)):
+        backend.add(Request(g, 0, p, sp, episode=True))
+    parked = {}
+    for _ in range(200):
+        for fin in backend.step():
+            assert fin.finish_reason == "turn"
+            parked[fin.group_id] = fin
+        if len(parked) == 2:
+            break
+    assert backend.num_parked == 2 and backend.num_running == 0 and backend.capacity() == 2
+    backend.resume((1, 0), [5, 6])
+    assert backend.num_parked == 1 and backend.num_waiting == 1 and backend.capacity() == 2
+    with pytest.raises(ValueError, match="not parked"):
+        backend.resume((1, 0), [5])
+    out = {f.group_id: f for f in backend.cancel([0, 1])}
+    assert {f.finish_reason for f in out.values()} == {"cancelled"}
+    for g in (0, 1):
+        assert out[g].completion_ids.tolist() == parked[g].completion_ids.tolist()
+    assert backend.num_parked == backend.num_waiting == backend.num_running == 0 and backend.capacity() == 4
+
+
+def test_resume_refuses_an_observation_past_the_budget(model, prompts):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=STOPS, seed=4)
+    backend = TorchBackend(model, max_batch_size=1, max_model_len=100)
+    done, _ = _episodes(backend, [Request(0, 0, prompts(1, seed=8)[0], sp, episode=True)], max_turns=1)
+    backend.add(Request(1, 0, prompts(1, seed=8)[0], sp, episode=True))
+    for _ in range(50):
+        if [f for f in backend.step() if f.finish_reason == "turn"]:
+            break
+    with pytest.raises(ValueError, match="budget"):
+        backend.resume((1, 0), list(range(30, 38)))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "suffix"])
+def test_speculation_across_turns_is_token_for_token_greedy(model, prompts, spec_backend, kind):
+    # Greedy: speculative decoding must give exactly the plain backend's tokens, turns and observations alike.
+    sp = SamplingParams(temperature=0.0, max_new_tokens=60, stop_token_ids=STOPS)
+    reqs = [Request(i, 0, p, sp, episode=True) for i, p in enumerate(prompts(3, seed=11))]
+    plain, _ = _episodes(TorchBackend(model, max_batch_size=2, max_model_len=100), reqs)
+    for k in (1, 4):
+        backend = spec_backend(model, Drafter.for_policy(model, seed=2), k, kind=kind, max_batch_size=2,
+                               max_model_len=100)
+        spec, _ = _episodes(backend, reqs)
+        for key, fin in plain.items():
+            assert spec[key].completion_ids.tolist() == fin.completion_ids.tolist(), (k, key)
+            assert spec[key].loss_mask.tolist() == fin.loss_mask.tolist()
+        for fin in spec.values():  # each sampled token is the argmax of a fresh forward over all before it
+            ids = fin.prompt_ids + fin.completion_ids.tolist()
+            with torch.no_grad():
+                argmax = model(torch.tensor([ids])).logits[0, len(fin.prompt_ids) - 1:-1].argmax(-1)
+            assert (argmax == fin.completion_ids)[fin.loss_mask].all()
+            assert (fin.behaviour_logprobs == 0).all()
