@@ -1,0 +1,242 @@
+"""The generator's episode loop (engine/generator/episodes.py) on the torch backend and a tiny model, with
+in-process environments: scripted, failing, slow. The loop is driven as the service drives it: apply() between
+backend steps (run in a worker thread), on_finished() per Finished, waiting on notify() when only environments
+are busy.
+Run: pytest tests/engine/generator/test_episodes.py
+"""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tailrace.engine.core import models
+from tailrace.engine.generator.environment import Environment, EnvironmentError, Observation
+from tailrace.engine.generator.episodes import EpisodeSettings, Episodes
+from tailrace.engine.generator.torch_backend.backend import TorchBackend
+from tailrace.protocol.messages import SamplingParams, WorkItem
+
+torch.set_num_threads(1)
+
+# A template in the tiny tokenizer's alphabet: "<eos>" (a special token) ends every turn.
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+STOPS = list(range(10, 22))  # ids that end an assistant turn besides eos: turns of a few tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = models.load_tokenizer("tiny")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model("qwen2")
+
+
+class Scripted:
+    """Observations by turn; records every call. fail: {sample_id: (turn, exception)} raised at that step
+    (turn 0 = reset); slow: {sample_id: seconds} slept at every step."""
+
+    def __init__(self, first="go 1", steps=("ok 2", "ok 3 4", "ok 5"), done_at=None, rewards=True, fail=None,
+                 slow=None, token_ids=None):
+        self.first, self.steps, self.done_at, self.rewards = first, steps, done_at, rewards
+        self.fail, self.slow, self.token_ids = fail or {}, slow or {}, token_ids
+        self.resets, self.actions, self.closed = {}, {}, []
+
+    async def reset(self, episode, task, prompt, metadata):
+        self.resets[episode.sample_id] = (task, prompt, metadata)
+        self.actions[episode.sample_id] = []
+        self._maybe_fail(episode.sample_id, 0)
+        return Observation(text=self.first, reward=0.5 if self.rewards else None)
+
+    async def step(self, episode, action):
+        turns = self.actions[episode.sample_id]
+        turns.append(action)
+        if episode.sample_id in self.slow:
+            await asyncio.sleep(self.slow[episode.sample_id])
+        self._maybe_fail(episode.sample_id, len(turns))
+        done = self.done_at is not None and len(turns) >= self.done_at
+        text = self.steps[(len(turns) - 1) % len(self.steps)]
+        return Observation(text=text, done=done, reward=1.0 if self.rewards else None,
+                           token_ids=self.token_ids)
+
+    async def close(self, episode):
+        self.closed.append(episode.sample_id)
+
+    def _maybe_fail(self, sample_id, turn):
+        at = self.fail.get(sample_id)
+        if at is not None and at[0] == turn:
+            raise at[1]
+
+
+async def drive(backend, episodes, items, timeout_s=120.0):
+    """The service's loop in small: returns {sample_id: Finished} of every episode, and their end times."""
+    wake = asyncio.Event()
+    episodes.notify = wake.set
+    total = sum(item.num_samples for item in items)
+    for item in items:
+        episodes.admit(item)
+    out, ended_s = {}, {}
+    deadline = time.monotonic() + timeout_s
+
+    def take(fin):
+        out[fin.sample_id] = fin
+        ended_s[fin.sample_id] = time.monotonic()
+
+    while len(out) < total:
+        assert time.monotonic() < deadline, f"episodes not done: {sorted(out)}"
+        for fin in episodes.apply(backend):
+            take(fin)
+        if backend.num_running or backend.num_waiting:
+            for fin in await asyncio.to_thread(backend.step):
+                done = episodes.on_finished(fin)
+                if done is not None:
+                    take(done)
+        elif len(out) < total:
+            wake.clear()
+            if not episodes.ops:
+                await asyncio.wait_for(wake.wait(), timeout_s)
+    await episodes.aclose()
+    return out, ended_s
+
+
+def _item(prompt_ids, num, sp, group=0):
+    return WorkItem(group_id=group, prompt_token_ids=prompt_ids, num_samples=num, first_sample_id=0, sampling=sp,
+                    task="count")
+
+
+def _run(model, tokenizer, env, *, num=4, max_turns=3, max_episode_tokens=0, timeout_s=5.0, max_new_tokens=90,
+         max_batch_size=3, temperature=1.0):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "count"}], add_generation_prompt=True,
+                                           tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=STOPS, seed=5)
+    backend = TorchBackend(model, max_batch_size=max_batch_size, max_model_len=128)
+    episodes = Episodes(env, tokenizer, EpisodeSettings(max_turns, max_episode_tokens, timeout_s))
+    out, ended_s = asyncio.run(drive(backend, episodes, [_item(prompt_ids, num, sp)]))
+    assert backend.num_parked == backend.num_running == backend.num_waiting == 0 and not episodes.live
+    return out, ended_s, prompt_ids
+
+
+def _turns(fin):
+    """The completion split at its observation runs: [(assistant ids, observation ids), ...]."""
+    ids, mask = fin.completion_ids.tolist(), fin.loss_mask.tolist()
+    turns, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and mask[j]:
+            j += 1
+        k = j
+        while k < len(ids) and not mask[k]:
+            k += 1
+        turns.append((ids[i:j], ids[j:k]))
+        i = k
+    return turns
+
+
+def test_fed_tokens_equal_the_chat_template_of_the_whole_conversation(model, tokenizer):
+    env = Scripted()
+    out, _, prompt_ids = _run(model, tokenizer, env)
+    assert isinstance(env, Environment)
+    for sample_id, fin in out.items():
+        turns = _turns(fin)
+        assert fin.num_turns == len(turns) == len(env.actions[sample_id]) == 3, fin.finish_reason
+        assert fin.finish_reason == "length"  # max_turns
+        # The conversation: the prompt's turn, reset's observation, then assistant / environment turns.
+        conversation = [{"role": "user", "content": "count"}, {"role": "user", "content": "go 1"}]
+        for t, (assistant, _) in enumerate(turns[:-1]):
+            content = assistant[:-1] if assistant[-1] == tokenizer.eos_token_id else assistant
+            conversation += [{"role": "assistant", "content": tokenizer.decode(content)},
+                             {"role": "user", "content": env.steps[t]}]
+        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        fed = fin.prompt_ids + fin.completion_ids.tolist()
+        assert fed == tokenizer.encode(rendered, add_special_tokens=False) + turns[-1][0]
+        assert fin.prompt_ids[:len(prompt_ids) - 2] == prompt_ids[:-2]  # the generation prompt "a:" moved on
+        # The environment saw each turn's text; observations are exactly the unmasked tokens.
+        assert env.actions[sample_id] == [tokenizer.decode(a, skip_special_tokens=True) for a, _ in turns]
+        assert env.resets[sample_id] == ("count", tokenizer.decode(prompt_ids, skip_special_tokens=True), {})
+        assert fin.env_reward == 0.5 + 3 * 1.0
+        # The kept cache: sampled tokens' log-probs equal a fresh forward over the whole conversation.
+        with torch.no_grad():
+            logits = model(torch.tensor([fed])).logits[0, len(fin.prompt_ids) - 1:-1].double()
+        ref = logits.log_softmax(-1).gather(-1, fin.completion_ids[:, None])[:, 0]
+        torch.testing.assert_close(fin.behaviour_logprobs.double()[fin.loss_mask], ref[fin.loss_mask],
+                                   atol=1e-5, rtol=1e-5)
+        assert (fin.behaviour_logprobs[~fin.loss_mask] == 0).all()
+    assert sorted(env.closed) == sorted(out)
+
+
+def test_done_max_turns_and_token_budget(model, tokenizer):
+    env = Scripted(done_at=2)
+    out, _, _ = _run(model, tokenizer, env, max_turns=5)
+    assert {f.finish_reason for f in out.values()} == {"stop"} and {f.num_turns for f in out.values()} == {2}
+    env = Scripted(steps=("more",))
+    out, _, _ = _run(model, tokenizer, env, max_turns=50, max_episode_tokens=40, max_new_tokens=256)
+    for sample_id, fin in out.items():
+        assert fin.finish_reason == "length" and len(fin.completion_ids) <= 40
+        # Cut mid-turn (the environment saw one turn less) or after a turn whose observation would not fit.
+        assert fin.num_turns - len(env.actions[sample_id]) in (0, 1)
+    assert max(f.num_turns for f in out.values()) > 2
+    assert sorted(env.closed) == sorted(out)
+
+
+def test_observation_token_ids_are_fed_verbatim(model, tokenizer):
+    env = Scripted(first="", token_ids=[30, 31, 32])
+    out, _, prompt_ids = _run(model, tokenizer, env, num=2)
+    for fin in out.values():
+        assert fin.prompt_ids == prompt_ids
+        for _, obs in _turns(fin)[:-1]:
+            assert obs == [30, 31, 32]
+
+
+def test_an_environment_error_ends_that_sample_while_others_decode(model, tokenizer):
+    fail = {1: (2, EnvironmentError("env_dead", "connection lost")), 2: (1, RuntimeError("bug")),
+            3: (0, EnvironmentError("env_dead", "gone at reset"))}
+    env = Scripted(fail=fail)
+    out, _, prompt_ids = _run(model, tokenizer, env, num=5)
+    assert out[1].finish_reason == "env_dead" and out[1].num_turns == 2
+    assert out[2].finish_reason == "env_error" and out[2].num_turns == 1
+    assert out[3].finish_reason == "env_dead" and len(out[3].completion_ids) == 0 and out[3].num_turns == 0
+    for sample_id in (0, 4):
+        assert out[sample_id].finish_reason == "length" and out[sample_id].num_turns == 3
+    assert sorted(env.closed) == [0, 1, 2, 3, 4]
+
+
+def test_a_slow_environment_times_out_without_holding_up_the_others(model, tokenizer):
+    env = Scripted(slow={0: 60.0})
+    start_s = time.monotonic()
+    out, ended_s, _ = _run(model, tokenizer, env, num=4, timeout_s=3.0)
+    assert out[0].finish_reason == "env_timeout" and out[0].num_turns == 1
+    assert time.monotonic() - start_s < 30.0
+    for sample_id in (1, 2, 3):
+        assert out[sample_id].num_turns == 3 and ended_s[sample_id] < ended_s[0]
+
+
+def test_cancel_while_the_environment_answers(model, tokenizer):
+    env = Scripted(slow={0: 60.0, 1: 60.0})
+
+    async def scenario():
+        prompt_ids = tokenizer.encode("u:count<eos>a:", add_special_tokens=False)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=5)
+        backend = TorchBackend(model, max_batch_size=2, max_model_len=128)
+        episodes = Episodes(env, tokenizer, EpisodeSettings(3, 0, 30.0))
+        episodes.admit(_item(prompt_ids, 2, sp, group=7))
+        for _ in range(200):
+            episodes.apply(backend)
+            for fin in backend.step():
+                assert episodes.on_finished(fin) is None  # turns only: the environment is slow
+            await asyncio.sleep(0)
+            if backend.num_parked == 2:
+                break
+        assert backend.num_parked == 2 and episodes.num_waiting_env == 2
+        episodes.cancel([7])
+        cancelled = backend.cancel([7])
+        assert {f.finish_reason for f in cancelled} == {"cancelled"} and len(cancelled) == 2
+        await episodes.aclose()
+        assert not episodes.live and backend.num_parked == 0 and sorted(env.closed) == [0, 1]
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
