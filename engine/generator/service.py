@@ -16,6 +16,10 @@ exported into a small local WeightsStore and announced to the trainer (WeightsNo
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
 drafter announced by the trainer is fetched like policy weights and adopted between steps.
 
+Multi-turn episodes (environment given, WorkItem.max_turns > 1): episodes.Episodes runs each sample's
+environment calls as tasks; refresh() applies what they queued (add / resume / finish) between steps, a
+"turn" Finished goes to the episode loop instead of the trainer, and notify() wakes an idle main loop.
+
 `decide` is pure and tested on CPU with fakes (tests/engine/generator/test_generator_decide.py).
 """
 
@@ -124,7 +128,8 @@ def broadcast_receiver(cfg: RunConfig, backend: Any, address: str) -> Any:
 class GeneratorService:
     def __init__(self, cfg: RunConfig, address: str, *, name: str = "", curve_server_key: bytes | None = None,
                  make_backend: Any = None,  # interface.BackendFactory; None: generator.backend
-                 curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S):
+                 curve_secret_key: bytes | None = None, connect_for_s: float = CONNECT_RETRY_S,
+                 environment: Any = None):  # environment.Environment: runs WorkItems with max_turns > 1
         import torch
 
         from tailrace.engine.generator.interface import load_backend, speculation_drafters, spot_training
@@ -179,6 +184,17 @@ class GeneratorService:
         self.samples_dropped = 0  # samples of such sessions, dropped (the trainer handed them out again)
         self.started_s = time.monotonic()
         self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
+        self.episodes = None if environment is None else self._episodes(environment)
+        self.ended: list = []  # episode samples that ended between steps (refresh), to send
+
+    def _episodes(self, environment: Any) -> Any:
+        from tailrace.engine.core import models
+        from tailrace.engine.data.chat import adopt_template
+        from tailrace.engine.generator.episodes import Episodes, EpisodeSettings
+
+        tokenizer = models.load_tokenizer(self.cfg.model.path or "tiny")
+        adopt_template(self.cfg.data.chat_template, tokenizer)
+        return Episodes(environment, tokenizer, EpisodeSettings.from_config(self.cfg.env), notify=self.wakeup.set)
 
     async def run(self) -> str:
         """Serve the run until the trainer's Shutdown (returns its reason). A session the trainer declared
@@ -199,6 +215,8 @@ class GeneratorService:
                     self.receiver.close()
                 if self.spot_thread is not None:
                     self.spot_thread.shutdown(wait=False, cancel_futures=True)
+                if self.episodes is not None:
+                    await self.episodes.aclose()
                 self.backend.close()
 
     async def session(self) -> str:
@@ -238,6 +256,9 @@ class GeneratorService:
         """The trainer declared our session dead and handed its samples out again (generator_dead): what
         that session held is dropped here, never sent (a new session's results must answer its own work);
         weights already fetched are kept."""
+        if self.episodes is not None:
+            self.episodes.cancel(list(self.held))
+            self.ended.clear()
         held = self.backend.cancel(list(self.held))
         dropped = len(held) + sum(item.num_samples for item in self.state.pending_items)
         self.samples_dropped += dropped
@@ -253,11 +274,18 @@ class GeneratorService:
     def refresh(self) -> None:
         s, b = self.state, self.backend
         if s.cancel_groups:
+            if self.episodes is not None:
+                self.episodes.cancel(s.cancel_groups)
             b.cancel(s.cancel_groups)
             for group_id in s.cancel_groups:
                 self.held.pop(group_id, None)
             s.cancel_groups = set()
-        s.num_running, s.num_waiting, s.capacity = b.num_running, b.num_waiting, b.capacity()
+        starting = 0
+        if self.episodes is not None:  # what environment calls queued: add / resume / finish rows
+            self.ended += self.episodes.apply(b)
+            starting = self.episodes.num_starting  # resetting: rows the backend does not hold yet
+        s.num_running, s.num_waiting = b.num_running, b.num_waiting
+        s.capacity = max(0, b.capacity() - starting)
         s.policy_version = b.policy_version
         s.drafter_has_data = self.spot is not None and self.spot.has_data()
 
@@ -267,6 +295,10 @@ class GeneratorService:
                 if task.done():
                     task.result()  # surface a dead connection or a bug in the recv or stats loop
             self.refresh()
+            while self.ended:
+                done = self.ended.pop(0)
+                self._left_backend(done.group_id)
+                await self.send_rollout(done)
             if self.ready_drafter is not None:  # between steps: small, and never blocks rollouts
                 self.adopt_drafter()
             action = decide(self.state)
@@ -296,6 +328,8 @@ class GeneratorService:
                 if self.spot is not None:
                     self.spot.add_traces(self.backend.take_traces())
                 for done in finished:
+                    if self.episodes is not None and (done := self.episodes.on_finished(done)) is None:
+                        continue  # an assistant turn ended: the episode loop asks the environment
                     self._left_backend(done.group_id)
                     await self.send_rollout(done)
             elif action is Action.TRAIN_DRAFTER:
@@ -323,8 +357,14 @@ class GeneratorService:
         from tailrace.engine.generator.requests import requests_for
 
         try:
-            for request in requests_for(item):  # all share the prompt: the first add fails or none does
-                self.backend.add(request)
+            if getattr(item, "max_turns", 1) > 1:  # WorkItem.max_turns: the protocol's, once it has one
+                if self.episodes is None:
+                    raise ValueError(f"the item asks for episodes of {item.max_turns} turns, but this generator "
+                                     "has no environment")
+                self.episodes.admit(item)  # its resets run as tasks; refresh() adds the rows
+            else:
+                for request in requests_for(item):  # all share the prompt: the first add fails or none does
+                    self.backend.add(request)
             self.held[item.group_id] += item.num_samples
             return []
         except ValueError as exc:
@@ -363,13 +403,22 @@ class GeneratorService:
             return
         torch = self.torch
         versions = done.policy_versions.to(torch.int32)
+        reason = done.finish_reason
+        if reason not in m.FINISH_REASONS:  # an environment's discard reason the protocol cannot carry yet
+            log.warning("group %d sample %d ended: %s (sent as \"error\")", done.group_id, done.sample_id, reason)
+            reason = "error"
+        episode = {}
+        if done.loss_mask is not None and "loss_mask" in m.Rollout.__struct_fields__:  # the protocol's, #33
+            episode = dict(loss_mask=done.loss_mask, env_reward=done.env_reward, num_turns=done.num_turns)
+        # An episode can end before its first token (its reset failed): the loaded version then.
+        low, high = (int(versions.min()), int(versions.max())) if len(versions) else (self.backend.policy_version,) * 2
         msg = m.Rollout(group_id=done.group_id, sample_id=done.sample_id,
                         prompt_token_ids=torch.tensor(done.prompt_ids, dtype=torch.int32),
                         completion_token_ids=done.completion_ids.to(torch.int32),
                         behaviour_logprobs=done.behaviour_logprobs, policy_versions=versions,
-                        min_policy_version=int(versions.min()), max_policy_version=int(versions.max()),
-                        finish_reason=done.finish_reason, queue_s=done.queue_s, decode_s=done.decode_s,
-                        finished_wall_s=time.time(), eval=self._sent_eval(done.group_id, 1))
+                        min_policy_version=low, max_policy_version=high, finish_reason=reason,
+                        queue_s=done.queue_s, decode_s=done.decode_s, finished_wall_s=time.time(),
+                        eval=self._sent_eval(done.group_id, 1), **episode)
         await self.client.send(msg)
         self.samples_sent += 1
         self.tokens_sent += len(done.completion_ids)

@@ -13,7 +13,7 @@ import torch
 
 from tailrace.engine.core import models
 from tailrace.engine.generator.environment import Environment, EnvironmentError, Observation
-from tailrace.engine.generator.episodes import EpisodeSettings, Episodes
+from tailrace.engine.generator.episodes import Episodes, EpisodeSettings
 from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.protocol.messages import SamplingParams, WorkItem
 
@@ -245,3 +245,52 @@ def test_cancel_while_the_environment_answers(model, tokenizer):
         assert not episodes.live and backend.num_parked == 0 and sorted(env.closed) == [0, 1]
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_the_service_runs_episodes_between_its_steps(model, tokenizer, tmp_path):
+    # GeneratorService's own main loop, its connection replaced by one that records what it sends: turns stay
+    # inside, each sample leaves once, an environment's discard reason goes out as "error" until the protocol
+    # carries it, and the loop idles (never busy-waits, never hangs) while only environments are busy.
+    import types
+
+    from tailrace.engine.config import load_config
+    from tailrace.engine.generator.service import GeneratorService
+    from tailrace.protocol import messages as m
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    cfg = load_config(None, ["--data.chat_template", str(template), "--env.max_turns", "3",
+                             "--env.timeout_s", "5", "--generator.speculation", "false"])
+    env = Scripted(slow={1: 0.3}, fail={2: (1, EnvironmentError("env_dead", "killed"))})
+    service = GeneratorService(cfg, "tcp://127.0.0.1:1", environment=env, make_backend=lambda c: TorchBackend(
+        model, max_batch_size=2, max_model_len=128, eos_token_ids=[tokenizer.eos_token_id]))
+    sent = []
+
+    class Client:
+        async def send(self, msg):
+            sent.append(msg)
+            if sum(isinstance(x, m.Rollout) for x in sent) == 4:
+                service.state.shutdown = "done"
+                service.wakeup.set()
+
+    prompt_ids = tokenizer.encode("u:count<eos>a:", add_special_tokens=False)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=90, stop_token_ids=STOPS, seed=5)
+    item = types.SimpleNamespace(**{f: getattr(_item(prompt_ids, 4, sp, group=3), f) for f in m.WorkItem.__struct_fields__},
+                                 max_turns=3)
+
+    async def scenario():
+        service.client = Client()
+        service.state.exhausted = True  # no WorkRequests: the one item below is the work
+        service.state.pending_items.append(item)
+        forever = asyncio.get_running_loop().create_future()
+        await service.main_loop(forever, forever)
+        await service.episodes.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    rollouts = {r.sample_id: r for r in sent if isinstance(r, m.Rollout)}
+    assert sorted(rollouts) == [0, 1, 2, 3] and len(sent) == 4 + sum(isinstance(x, m.Stats) for x in sent)
+    assert rollouts[2].finish_reason == "error"
+    for sample_id in (0, 1, 3):
+        r = rollouts[sample_id]
+        assert r.finish_reason == "length" and len(env.actions[sample_id]) >= 2
+    assert not service.held and not service.episodes.live and sorted(env.closed) == [0, 1, 2, 3]
