@@ -439,6 +439,12 @@ class RunConfig:
                f"exactly: set it to 0 or train.replay = \"naive\" (train.replay is {self.train.replay!r})")
         _check(not (self.eval.every_steps and self.train.algorithm == "dpo"), "eval.every_steps",
                "evaluation samples on generators, and train.algorithm dpo has none (set it to 0)")
+        multi_turn = self.env.max_turns > 1
+        _check(not multi_turn or self.generator.backend == "torch", "env.max_turns",
+               f"{self.env.max_turns} turns: multi-turn episodes run on generator.backend = \"torch\" only (the "
+               f"{self.generator.backend} backend cannot park a row with its cache between turns yet)")
+        _check(not multi_turn or not self.generator.tree_fork_depths, "env.max_turns",
+               "multi-turn episodes do not run with tree sampling (set generator.tree_fork_depths = \"\")")
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

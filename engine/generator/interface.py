@@ -5,12 +5,15 @@ that builds the one `generator.backend` names.
             ---step()  (worker thread)-> backend  ->  list[Finished], each sample as soon as it finishes
             ---update_weights(pairs, v)> backend      between steps; later tokens are stamped with v
             ---cancel(groups) / drain()> backend  ->  list[Finished]
+            ---resume(key, ids) / finish(key, reason)  multi-turn episodes (EpisodeHooks, torch only)
 
 Backends: torch (backend.TorchBackend, built in), vllm (vllm_backend.VLLMBackend), sglang
 (sglang_backend.SGLangBackend), and the benchmark's modelled one (tools/benches/modelled.py). Each owns
 its model loading: load_backend(cfg) is all the service calls. The drafter's speculative decoding and
 tree sampling are torch-only (SpeculationHooks); the vLLM backend speculates with vLLM's own
 speculative_config instead (engine_backends/vllm_backend.py); config validation refuses speculation elsewhere.
+Multi-turn episodes (env.max_turns > 1, engine/generator/episodes.py) need EpisodeHooks: the torch backend has
+them; the config refuses env.max_turns > 1 with the others (RunConfig).
 Test: pytest tests/engine/generator/test_backend_conformance.py (the vLLM half needs vllm installed)
 """
 
@@ -76,6 +79,21 @@ class SpeculationHooks(Protocol):
     def take_traces(self) -> list: ...
 
     def drafter_changed(self) -> None: ...
+
+
+@runtime_checkable
+class EpisodeHooks(Protocol):
+    """Optional: multi-turn episodes (Request.episode). A row whose assistant turn ends comes out of step() as
+    Finished "turn" and is parked with its cache; drain() leaves parked rows parked (like waiting requests)."""
+
+    @property
+    def num_parked(self) -> int: ...
+
+    def resume(self, key: tuple[int, int], observation_ids: list[int]) -> None:
+        """Feed the observation to a parked row against its kept cache at its next admission, then decode on."""
+
+    def finish(self, key: tuple[int, int], reason: str) -> Finished:
+        """End a parked row with this finish reason."""
 
 
 BackendFactory = Callable[[RunConfig], Backend]
