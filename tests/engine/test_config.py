@@ -24,7 +24,7 @@ def test_defaults_and_overrides(tmp_path):
     (["--reward.mode", "magic"], "reward.mode"),
     (["--train.steps"], "missing value"),
     (["train.steps", "3"], "expected --section.name"),
-    (["--env.max_turns", "3", "--generator.backend", "vllm"], "env.max_turns: 3 turns: .* torch"),
+    (["--env.max_turns", "3", "--generator.backend", "vllm"], "env.max_turns: 3 turns: .* \"torch\" only"),
     (["--env.max_turns", "2", "--generator.tree_fork_depths", "4"], "env.max_turns: .*tree_fork_depths"),
 ])
 def test_bad_settings_name_the_field(overrides, match):
