@@ -10,6 +10,8 @@ import torch
 
 from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.requests import Request
+from tailrace.engine.generator.speculation.drafter_training import KeyRecorder
+from tailrace.engine.generator.speculation.speculative import FixedDepth
 from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.protocol.messages import SamplingParams
 
@@ -166,3 +168,45 @@ def test_speculation_across_turns_is_token_for_token_greedy(model, prompts, spec
                 argmax = model(torch.tensor([ids])).logits[0, len(fin.prompt_ids) - 1:-1].argmax(-1)
             assert (argmax == fin.completion_ids)[fin.loss_mask].all()
             assert (fin.behaviour_logprobs == 0).all()
+
+
+def test_resumed_rows_drafter_cache_holds_keys_of_true_features(model, prompts):
+    # After a resume and eagle steps, every drafter key/value left of the stale window (the observation's
+    # columns and the moved cache included) equals the drafter run over the row's tokens with the policy's
+    # true hidden states: speculation drafts from a consistent state across turns, not only losslessly.
+    drafter = Drafter.for_policy(model, seed=4)
+    backend = TorchBackend(model, max_batch_size=2, max_model_len=100)
+    backend.enable_speculation(drafter, FixedDepth(2))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=9)
+    for g, p in enumerate(prompts(2, seed=12)):
+        backend.add(Request(g, 0, p, sp, episode=True))
+    resumed = 0
+    for _ in range(100):
+        for fin in backend.step():
+            if fin.finish_reason == "turn" and resumed < 2:
+                backend.resume((fin.group_id, fin.sample_id), OBS[2])
+                resumed += 1
+            elif fin.finish_reason == "turn":
+                backend.finish((fin.group_id, fin.sample_id), "stop")
+        resumed_rows = [r for r, s in enumerate(backend.rows.seqs) if s.num_turns > 1]
+        if resumed_rows and backend._spec.stale_back < 3:
+            break
+    assert resumed_rows, "no resumed row decoded"
+    kv, spec = backend.rows.kv, backend._spec
+    for row in resumed_rows:
+        seq = backend.rows.seqs[row]
+        num_gen = int(backend.rows.num_gen_R[row])
+        fed = seq.request.prompt_ids + backend.rows.completion(row, num_gen)[0].tolist()
+        valid = kv.valid_RC[row, kv.lo:kv.end].nonzero().flatten() + kv.lo
+        assert spec.ids_RC[row, valid].tolist() == fed[:-1]
+        cols = kv.valid_RC[row, kv.lo:kv.end - spec.stale_back].nonzero().flatten() + kv.lo
+        tokens = spec.ids_RC[row, cols]
+        with torch.no_grad():
+            hidden = model.model(tokens[None]).last_hidden_state
+            features = torch.cat((torch.zeros_like(hidden[:, :1]), hidden[:, :-1]), dim=1)
+            causal = torch.ones(len(cols), len(cols), dtype=torch.bool).tril()[None, None]
+            cache = KeyRecorder()
+            drafter(tokens[None], features, torch.arange(len(cols))[None], causal, cache=cache)
+        assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
+        torch.testing.assert_close(kv.keys[spec.layer][row][:, cols], cache.keys[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.values[spec.layer][row][:, cols], cache.values[0], atol=1e-4, rtol=1e-4)
