@@ -211,7 +211,17 @@ class Episodes:
     # ------------------------------------------------------------------ environment calls (tasks)
 
     def _spawn(self, ep: _Episode, coro) -> None:
-        ep.task = self._track(asyncio.get_running_loop().create_task(coro))
+        ep.task = self._track(asyncio.get_running_loop().create_task(self._guarded(ep, coro)))
+
+    async def _guarded(self, ep: _Episode, coro) -> None:
+        """A bug in a reset / step task ends its sample with "error" instead of leaving it parked forever."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("episode %s: its task failed", ep.key)
+            self._queue("finish", ep, "error")
 
     def _track(self, task: asyncio.Task) -> asyncio.Task:
         self.tasks.add(task)

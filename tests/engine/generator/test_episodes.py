@@ -294,3 +294,16 @@ def test_the_service_runs_episodes_between_its_steps(model, tokenizer, tmp_path)
         r = rollouts[sample_id]
         assert r.finish_reason == "length" and len(env.actions[sample_id]) >= 2
     assert not service.held and not service.episodes.live and sorted(env.closed) == [0, 1, 2, 3]
+
+
+def test_a_bug_in_the_episode_task_ends_the_sample_not_the_run(model, tokenizer, monkeypatch):
+    # An observation the tokenizer cannot encode past ValueError (a bug, not an environment's fault): the
+    # sample ends with "error" instead of staying parked forever.
+    from tailrace.engine.generator import episodes as episodes_module
+
+    def broken(self, turn_ids, obs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(episodes_module.ChatRenderer, "observation_ids", broken)
+    out, _, _ = _run(model, tokenizer, Scripted(), num=2)
+    assert {f.finish_reason for f in out.values()} == {"error"} and {f.num_turns for f in out.values()} == {1}
