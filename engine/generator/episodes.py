@@ -2,8 +2,9 @@
 between the policy and an Environment (environment.py), decoded in one backend row whose cache is kept across
 turns (torch_backend/backend.py: Request.episode, resume, finish).
 
-    admit(item)        one task per sample: env.reset -> first observation appended to the prompt
-                       -> op "add" (Request(episode=True), max_new_tokens = the episode's token budget)
+    admit(item)        one task per sample: env.reset -> op "add" (Request(episode=True), max_new_tokens = the
+                       episode's token budget, observation_ids = the first observation's tokens, fed after the
+                       prompt as the completion's first, masked, tokens: the prompt stays the one handed out)
     on_finished(fin)   "turn" (the row is parked): a task: env.step(assistant text) -> op "resume" with the
                        observation's tokens, or op "finish" (done, env.max_turns, budget, EnvironmentError)
                        an episode's last Finished: its env_reward set; env.close as a task; returned to send
@@ -86,22 +87,16 @@ class ChatRenderer:
                              "multi-turn episodes need a template that renders each turn after the earlier ones")
         return self.encode(full[len(head):])
 
-    def first_prompt(self, prompt_ids: list[int], obs: Observation) -> list[int]:
-        """The prompt with a first observation (reset's) as a turn of its own before the generation prompt:
-        the prompt's generation prompt tokens are replaced by the observation's turn and a generation prompt."""
+    def first_observation_ids(self, obs: Observation) -> list[int]:
+        """The tokens to feed after the prompt for a first observation (reset's). The prompt is the one handed
+        out, generation prompt included, so the observation follows an empty assistant turn: the tokens are
+        what the template renders for [prompt, assistant "", observation] past the prompt."""
         if obs.token_ids:
-            return list(prompt_ids) + list(obs.token_ids)
+            return list(obs.token_ids)
         if not obs.text:
-            return list(prompt_ids)
-        head = self.render(PROXY_PROMPT, False)
-        generation = self.render(PROXY_PROMPT, True)[len(head):]
-        base = list(prompt_ids)
-        for k in range(1, len(base)):
-            if self.decode(base[-k:]) == generation:
-                base = base[:-k]
-                break
-        return base + self._suffix(self.render(PROXY_PROMPT + [self._message(obs)], True), head,
-                                   "the first observation")
+            return []
+        conversation = PROXY_PROMPT + [{"role": "assistant", "content": ""}, self._message(obs)]
+        return self._suffix(self.render(conversation, True), self.render(PROXY_PROMPT, True), "the first observation")
 
     def observation_ids(self, turn_ids: list[int], obs: Observation) -> list[int]:
         """The tokens to feed after an assistant turn (its sampled ids, the one that ended it included)."""
@@ -267,7 +262,7 @@ class Episodes:
             ep.add_reward(obs.reward)
             if obs.done:
                 raise EnvironmentError("env_error", "the episode was done at reset, before any assistant turn")
-            prompt = self.chat.first_prompt(prompt, obs)
+            first_ids = self.chat.first_observation_ids(obs)
         except EnvironmentError as exc:
             log.warning("episode %s: reset failed: %s", ep.key, exc)
             return self._queue("finish", ep, exc.reason)
@@ -276,7 +271,9 @@ class Episodes:
             return self._queue("finish", ep, "error")
         budget = self.settings.max_episode_tokens or item.sampling.max_new_tokens
         sampling = msgspec.structs.replace(item.sampling, max_new_tokens=budget)
-        self._queue("add", ep, Request(ep.key.group_id, ep.key.sample_id, prompt, sampling, episode=True))
+        ep.num_fed = len(first_ids)
+        self._queue("add", ep, Request(ep.key.group_id, ep.key.sample_id, prompt, sampling, episode=True,
+                                       observation_ids=tuple(first_ids)))
 
     async def _step(self, ep: _Episode, turn: Finished) -> None:
         completion = turn.completion_ids.tolist()

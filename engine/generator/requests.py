@@ -35,6 +35,14 @@ class Request:
     # row with its cache (Finished "turn"); resume() feeds the observation and decoding goes on. max_new_tokens
     # is then the episode's budget, observation tokens included. Torch backend only.
     episode: bool = False
+    # Fed after the prompt before the first token is sampled, as completion tokens without loss (an episode's
+    # first observation): the prompt stays the one handed out, which the trainer checks.
+    observation_ids: tuple[int, ...] = ()
+
+    @property
+    def fed_prompt(self) -> list[int]:
+        """What is prefilled before the first sampled token: the prompt, then observation_ids."""
+        return list(self.prompt_ids) + list(self.observation_ids)
 
 
 def requests_for(item: WorkItem) -> list[Request]:
@@ -91,7 +99,10 @@ class BackendStats:
 def check_request(request: Request, *, max_model_len: int, vocab_size: int) -> None:
     """ValueError for a prompt that is empty, leaves no room for a completion token, or holds an id outside
     the vocabulary: every backend takes exactly the same requests."""
-    prompt = request.prompt_ids
+    prompt = request.fed_prompt
+    if len(request.observation_ids) >= request.sampling.max_new_tokens:
+        raise ValueError(f"group {request.group_id} sample {request.sample_id}: {len(request.observation_ids)} "
+                         f"observation tokens leave no room in max_new_tokens = {request.sampling.max_new_tokens}")
     if len(prompt) == 0:
         raise ValueError(f"group {request.group_id} sample {request.sample_id}: empty prompt")
     if len(prompt) >= max_model_len:

@@ -397,7 +397,7 @@ class TorchBackend:
         # (those rows come first), and its cached keys/values are copied to the others.
         new, source = _shared_prompts_first(new)
         num_unique = max(source, default=-1) + 1
-        prompts = [s.request.prompt_ids for s in new]
+        prompts = [s.request.fed_prompt for s in new]
         lengths = [len(p) - 1 for p in prompts]  # the last prompt token is fed by the decode step
         width = max(lengths)
         self.rows.kv.reserve_left(first, width)
@@ -411,6 +411,9 @@ class TorchBackend:
                 index = torch.tensor(source, device=self.device)
                 ids_bT, hidden_bTH = ids_bT[index], hidden_bTH[index]
         self.rows.admit(new)
+        for row, seq in enumerate(new, start=first):
+            if seq.request.observation_ids:  # prefilled above, after the prompt
+                self.rows.append_fed(row, list(seq.request.observation_ids), self.policy_version)
         if self._spec is not None:
             self._spec.on_admit(first, lengths, ids_bT, hidden_bTH)
         self._num_unstamped = num_new  # rows at the end that get their first token this step
@@ -437,13 +440,7 @@ class TorchBackend:
             positions_1T = torch.arange(pos, pos + len(feed), device=self.device)[None]
             kv.set_window(rows, start, kv.lo)
             hidden_1TH = self._forward(ids_1T, positions_1T, kv.attention_mask(rows, start, len(feed), kv.lo))
-            num_gen = int(states[2])
-            span = slice(num_gen, num_gen + len(obs))
-            self.rows.out_tokens_RL[row, span] = torch.tensor(obs, dtype=torch.long, device=self.device)
-            self.rows.out_logprobs_RL[row, span] = 0.0
-            self.rows.out_versions_RL[row, span] = self.policy_version
-            self.rows.out_sampled_RL[row, span] = False
-            self.rows.num_gen_R[row] = num_gen + len(obs)
+            self.rows.append_fed(row, obs, self.policy_version)
             self.rows.pending_R[row] = obs[-1]
             self.rows.pos_R[row] = pos + len(feed)
             if self._spec is not None:
@@ -667,7 +664,7 @@ def _shared_prompts_first(seqs: list) -> tuple[list, list[int]]:
     the rows that repeat one; and for each row of that order, the index of the row that holds its prompt
     first (source[i] == i for those)."""
     first_of: dict[tuple[int, ...], int] = {}
-    keys = [tuple(s.request.prompt_ids) for s in seqs]
+    keys = [tuple(s.request.fed_prompt) for s in seqs]
     order = [i for i, key in enumerate(keys) if first_of.setdefault(key, i) == i]
     position = {key: n for n, key in enumerate(keys[i] for i in order)}
     order += [i for i, key in enumerate(keys) if first_of[key] != i]

@@ -98,17 +98,28 @@ class RowState:
         model's length leaves."""
         first, dev = self.num_rows, self.device
         rows = slice(first, first + len(new))
-        prompts = [s.request.prompt_ids for s in new]
+        prompts = [s.request.fed_prompt for s in new]
         self.pending_R[rows] = torch.tensor([p[-1] for p in prompts], device=dev)
         self.pos_R[rows] = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         self.num_gen_R[rows] = 0
         self.out_sampled_RL[rows] = True
-        limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(p))
-                  for s, p in zip(new, prompts, strict=True)]
+        limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(s.request.prompt_ids))
+                  for s in new]
         self.limit_R[rows] = torch.tensor(limits, device=dev)
         self.stop_RS[rows] = torch.tensor([self._stop_row(s.request.sampling) for s in new], device=dev)
         self.seqs.extend(new)
         self._sampling = None
+
+    def append_fed(self, row: int, ids: list[int], version: int) -> None:
+        """Record tokens fed to a row (an episode's observation) as its next completion entries: log-prob 0,
+        `version`, not sampled. The caller feeds them."""
+        num_gen, dev = int(self.num_gen_R[row]), self.device
+        span = slice(num_gen, num_gen + len(ids))
+        self.out_tokens_RL[row, span] = torch.tensor(ids, dtype=torch.long, device=dev)
+        self.out_logprobs_RL[row, span] = 0.0
+        self.out_versions_RL[row, span] = version
+        self.out_sampled_RL[row, span] = False
+        self.num_gen_R[row] = num_gen + len(ids)
 
     def _stop_row(self, sampling: SamplingParams) -> list[int]:
         ids = sorted(set(sampling.stop_token_ids[:MAX_STOP_IDS]) | set(self.eos_token_ids))

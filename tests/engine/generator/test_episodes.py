@@ -144,14 +144,18 @@ def test_fed_tokens_equal_the_chat_template_of_the_whole_conversation(model, tok
     # Fewer stop ids: some turns end on "<eos>", the template's own end of turn (not part of the content).
     out, _, prompt_ids = _run(model, tokenizer, env, num=6, stops=STOPS[:4])
     assert isinstance(env, Environment)
-    eos_turns = [a for f in out.values() for a, o in _turns(f) if o and a[-1] == tokenizer.eos_token_id]
-    assert eos_turns and len(eos_turns) < sum(len(_turns(f)) - 1 for f in out.values())
+    eos_turns = [a for f in out.values() for a, o in _turns(f)[1:] if o and a[-1] == tokenizer.eos_token_id]
+    assert eos_turns and len(eos_turns) < sum(len(_turns(f)) - 2 for f in out.values())
     for sample_id, fin in out.items():
-        turns, actions = _turns(fin), env.actions[sample_id]
+        (nothing, first), *turns = _turns(fin)  # the first observation comes before any assistant token
+        actions = env.actions[sample_id]
+        assert nothing == [] and first == tokenizer.encode("<eos>u:go 1<eos>a:", add_special_tokens=False)
         assert fin.num_turns == len(turns) and fin.finish_reason == "length"  # max_turns, or the budget mid-turn
         assert len(actions) in (len(turns), len(turns) - 1)  # the budget: before or after the last step
-        # The conversation: the prompt's turn, reset's observation, then assistant / environment turns.
-        conversation = [{"role": "user", "content": "count"}, {"role": "user", "content": "go 1"}]
+        # The conversation: the prompt's turn, reset's observation after an empty assistant turn (the prompt
+        # handed out ends with its generation prompt), then assistant / environment turns.
+        conversation = [{"role": "user", "content": "count"}, {"role": "assistant", "content": ""},
+                        {"role": "user", "content": "go 1"}]
         for t, (assistant, _) in enumerate(turns[:-1]):
             content = assistant[:-1] if assistant[-1] == tokenizer.eos_token_id else assistant
             conversation += [{"role": "assistant", "content": tokenizer.decode(content)},
@@ -159,7 +163,7 @@ def test_fed_tokens_equal_the_chat_template_of_the_whole_conversation(model, tok
         rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         fed = fin.prompt_ids + fin.completion_ids.tolist()
         assert fed == tokenizer.encode(rendered, add_special_tokens=False) + turns[-1][0]
-        assert fin.prompt_ids[:len(prompt_ids) - 2] == prompt_ids[:-2]  # the generation prompt "a:" moved on
+        assert fin.prompt_ids == prompt_ids  # the prompt handed out: the trainer checks it
         # The environment saw each turn's text; observations are exactly the unmasked tokens.
         assert actions == [tokenizer.decode(a, skip_special_tokens=True) for a, _ in turns][:len(actions)]
         assert env.resets[sample_id] == ("count", tokenizer.decode(prompt_ids, skip_special_tokens=True), {})

@@ -210,3 +210,21 @@ def test_resumed_rows_drafter_cache_holds_keys_of_true_features(model, prompts):
         assert spec.pos_RC[row, cols].tolist() == list(range(len(cols)))
         torch.testing.assert_close(kv.keys[spec.layer][row][:, cols], cache.keys[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kv.values[spec.layer][row][:, cols], cache.values[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_first_observation_is_fed_after_the_prompt_without_loss(model, prompts):
+    # Samples of one group share the prompt handed out but not their first observations: each row prefills
+    # its own (no prefill shared by prompt alone), and the observation opens the completion, masked.
+    prompt = prompts(1, seed=14)[0]
+    firsts = [(30, 31, 32), (40,), ()]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=2)
+    reqs = [Request(5, i, prompt, sp, episode=True, observation_ids=f) for i, f in enumerate(firsts)]
+    done, _ = _episodes(TorchBackend(model, max_batch_size=3, max_model_len=100), reqs, max_turns=2)
+    for i, first in enumerate(firsts):
+        fin = done[5, i]
+        assert fin.prompt_ids == prompt and fin.completion_ids[:len(first)].tolist() == list(first)
+        mask = _check_against_full_forward(model, fin)
+        assert not mask[:len(first)].any() and mask[len(first)]
+    with pytest.raises(ValueError, match="no room"):
+        TorchBackend(model, max_batch_size=1, max_model_len=100).add(
+            Request(0, 0, prompt, SamplingParams(max_new_tokens=3), episode=True, observation_ids=(1, 2, 3)))
