@@ -43,16 +43,24 @@ not its turns, and a chat template renders a turn the same whatever turns preced
 ChatRenderer), so the suffix rendered after this one is the suffix after the real prompt."""
 
 
+BACKSTOP_S = 10.0
+"""With the run's config, the loop's own deadline per call lies this far past the environment's budget: the
+protocol client (env_client.py) answers env_timeout / no_env_server itself by then; this one only guarantees
+that no episode waits forever on an environment that never answers (longer than the client's grace)."""
+
+
 @dataclass(frozen=True)
 class EpisodeSettings:
     max_turns: int  # assistant turns per episode
     max_episode_tokens: int  # completion tokens per episode, observations included; 0 = sampling.max_new_tokens
-    timeout_s: float  # per environment call
+    timeout_s: float  # per environment call: past it, the call fails with env_timeout
+    wait_for_server_s: float = 0.0  # a reset may also wait this long for a server to attach
+    backstop_s: float = 0.0  # added to every deadline (BACKSTOP_S with the run's config)
 
     @classmethod
     def from_config(cls, env: Any) -> EpisodeSettings:
         """From the run's EnvConfig (engine/config.py env.*)."""
-        return cls(env.max_turns, env.max_episode_tokens, env.timeout_s)
+        return cls(env.max_turns, env.max_episode_tokens, env.timeout_s, env.wait_for_server_s, BACKSTOP_S)
 
 
 class ChatRenderer:
@@ -201,7 +209,7 @@ class Episodes:
         """Cancel what runs and close every live episode's environment (bounded by env.timeout_s)."""
         self.cancel({k[0] for k in self.live})
         if self.tasks:
-            await asyncio.wait(self.tasks, timeout=self.settings.timeout_s)
+            await asyncio.wait(self.tasks, timeout=self.settings.timeout_s + self.settings.backstop_s)
 
     # ------------------------------------------------------------------ environment calls (tasks)
 
@@ -228,17 +236,19 @@ class Episodes:
         if not task.cancelled() and task.exception() is not None:  # a bug here: surface it, never a hang
             log.error("episode task failed", exc_info=task.exception())
 
-    async def _call(self, coro) -> Observation:
-        """One environment call under env.timeout_s; every failure becomes an EnvironmentError."""
+    async def _call(self, coro, reset: bool = False) -> Observation:
+        """One environment call under its deadline; every failure becomes an EnvironmentError."""
         loop = asyncio.get_running_loop()
         start_s = loop.time()
+        s = self.settings
+        deadline_s = s.timeout_s + s.backstop_s + (s.wait_for_server_s if reset else 0.0)
         try:
-            obs = await asyncio.wait_for(coro, self.settings.timeout_s)
+            obs = await asyncio.wait_for(coro, deadline_s)
         except EnvironmentError:
             raise
         except TimeoutError as exc:
-            raise EnvironmentError("env_timeout", f"no answer within env.timeout_s = {self.settings.timeout_s}") \
-                from exc
+            raise EnvironmentError("env_timeout", f"no answer within {deadline_s:g} s (env.timeout_s = "
+                                   f"{s.timeout_s:g})") from exc
         except Exception as exc:  # a broken environment ends its sample, never the generator
             raise EnvironmentError("env_error", repr(exc)) from exc
         finally:
@@ -257,8 +267,8 @@ class Episodes:
         prompt = list(item.prompt_token_ids)
         try:
             # metadata: WorkItem carries none yet (the dataset row's extra fields would go here).
-            obs = await self._call(self.env.reset(ep.key, item.task, self.chat.decode(prompt, skip_special_tokens=True),
-                                                  {}))
+            text = self.chat.decode(prompt, skip_special_tokens=True)
+            obs = await self._call(self.env.reset(ep.key, item.task, text, {}), reset=True)
             ep.add_reward(obs.reward)
             if obs.done:
                 raise EnvironmentError("env_error", "the episode was done at reset, before any assistant turn")
@@ -320,7 +330,7 @@ class Episodes:
     def _close(self, ep: _Episode) -> None:
         async def close() -> None:
             try:
-                await asyncio.wait_for(self.env.close(ep.key), self.settings.timeout_s)
+                await asyncio.wait_for(self.env.close(ep.key), self.settings.timeout_s + self.settings.backstop_s)
             except Exception as exc:  # the sample is settled; a close that fails only gets logged
                 log.warning("episode %s: close failed: %r", ep.key, exc)
 

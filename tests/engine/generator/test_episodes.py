@@ -42,14 +42,15 @@ class Scripted:
     (turn 0 = reset); slow: {sample_id: seconds} slept at every step."""
 
     def __init__(self, first="go 1", steps=("ok 2", "ok 3 4", "ok 5"), done_at=None, rewards=True, fail=None,
-                 slow=None, token_ids=None):
+                 slow=None, token_ids=None, slow_reset=0.0):
         self.first, self.steps, self.done_at, self.rewards = first, steps, done_at, rewards
-        self.fail, self.slow, self.token_ids = fail or {}, slow or {}, token_ids
+        self.fail, self.slow, self.token_ids, self.slow_reset = fail or {}, slow or {}, token_ids, slow_reset
         self.resets, self.actions, self.closed = {}, {}, []
 
     async def reset(self, episode, task, prompt, metadata):
         self.resets[episode.sample_id] = (task, prompt, metadata)
         self.actions[episode.sample_id] = []
+        await asyncio.sleep(self.slow_reset)
         self._maybe_fail(episode.sample_id, 0)
         return Observation(text=self.first, reward=0.5 if self.rewards else None)
 
@@ -110,14 +111,14 @@ def _item(prompt_ids, num, sp, group=0):
 
 
 def _run(model, tokenizer, env, *, num=4, max_turns=3, max_episode_tokens=0, timeout_s=5.0, max_new_tokens=90,
-         max_batch_size=3, temperature=1.0, stops=STOPS):
+         max_batch_size=3, temperature=1.0, stops=STOPS, wait_for_server_s=0.0):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "count"}], add_generation_prompt=True,
                                            tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stops, seed=5)
     backend = TorchBackend(model, max_batch_size=max_batch_size, max_model_len=128,
                            eos_token_ids=[tokenizer.eos_token_id])
-    episodes = Episodes(env, tokenizer, EpisodeSettings(max_turns, max_episode_tokens, timeout_s))
+    episodes = Episodes(env, tokenizer, EpisodeSettings(max_turns, max_episode_tokens, timeout_s, wait_for_server_s))
     out, ended_s = asyncio.run(drive(backend, episodes, [_item(prompt_ids, num, sp)]))
     assert backend.num_parked == backend.num_running == backend.num_waiting == 0 and not episodes.live
     return out, ended_s, prompt_ids
@@ -223,6 +224,10 @@ def test_a_slow_environment_times_out_without_holding_up_the_others(model, token
     assert time.monotonic() - start_s < 30.0
     for sample_id in (1, 2, 3):
         assert out[sample_id].num_turns == 3 and ended_s[sample_id] < ended_s[0]
+    # A reset may also wait env.wait_for_server_s (for a server to attach); a step may not.
+    env = Scripted(slow_reset=1.5, slow={1: 1.5})
+    out, _, _ = _run(model, tokenizer, env, num=2, timeout_s=0.5, wait_for_server_s=3.0)
+    assert out[0].num_turns == 3 and out[1].finish_reason == "env_timeout" and out[1].num_turns == 1
 
 
 def test_cancel_while_the_environment_answers(model, tokenizer):
