@@ -284,8 +284,8 @@ def test_the_service_runs_episodes_between_its_steps(model, tokenizer, tmp_path)
 
     prompt_ids = tokenizer.encode("u:count<eos>a:", add_special_tokens=False)
     sp = SamplingParams(temperature=1.0, max_new_tokens=90, stop_token_ids=STOPS, seed=5)
-    item = types.SimpleNamespace(**{f: getattr(_item(prompt_ids, 4, sp, group=3), f) for f in m.WorkItem.__struct_fields__},
-                                 max_turns=3)
+    fields = {f: getattr(_item(prompt_ids, 4, sp, group=3), f) for f in m.WorkItem.__struct_fields__}
+    item = types.SimpleNamespace(**{**fields, "max_turns": 3})  # WorkItem.max_turns: the protocol's, #33
 
     async def scenario():
         service.client = Client()
