@@ -67,11 +67,11 @@ class ChatRenderer:
     """Observation tokens through a tokenizer's chat template. Each is the text the template renders for the
     conversation with the observation (and the generation prompt) minus the text the row already holds,
     tokenized; ValueError where the template does not render that conversation as a continuation of it (a
-    template that rewrites earlier turns, e.g. drops reasoning from past assistant turns)."""
+    template that rewrites earlier turns, e.g. drops reasoning from past assistant turns). A tokenizer without a
+    chat template (plain-text prompts, as the shipped tiny model's) gets observation text appended as it is."""
 
     def __init__(self, tokenizer: Any, observation_role: str = "user"):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("env.max_turns > 1 needs a tokenizer with a chat template (set data.chat_template)")
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.tokenizer = tokenizer
         self.role = observation_role
         self._special = set(tokenizer.all_special_ids)
@@ -103,6 +103,8 @@ class ChatRenderer:
             return list(obs.token_ids)
         if not obs.text:
             return []
+        if not self.templated:
+            return self.encode(obs.text)
         conversation = PROXY_PROMPT + [{"role": "assistant", "content": ""}, self._message(obs)]
         return self._suffix(self.render(conversation, True), self.render(PROXY_PROMPT, True), "the first observation")
 
@@ -110,6 +112,8 @@ class ChatRenderer:
         """The tokens to feed after an assistant turn (its sampled ids, the one that ended it included)."""
         if obs.token_ids:
             return list(obs.token_ids)
+        if not self.templated:
+            return self.encode(obs.text)
         content_ids = turn_ids[:-1] if turn_ids and turn_ids[-1] in self._special else turn_ids
         conversation = PROXY_PROMPT + [{"role": "assistant", "content": self.decode(content_ids)},
                                        self._message(obs)]

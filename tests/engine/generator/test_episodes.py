@@ -316,3 +316,19 @@ def test_a_bug_in_the_episode_task_ends_the_sample_not_the_run(model, tokenizer,
     monkeypatch.setattr(episodes_module.ChatRenderer, "observation_ids", broken)
     out, _, _ = _run(model, tokenizer, Scripted(), num=2)
     assert {f.finish_reason for f in out.values()} == {"error"} and {f.num_turns for f in out.values()} == {1}
+
+
+def test_without_a_chat_template_observation_text_is_appended_as_it_is(model):
+    # Plain-text prompts (the shipped tiny model has no chat template): "rev:abc=" -> turn -> "rev:de=" -> ...
+    tok = models.load_tokenizer("tiny")
+    assert not getattr(tok, "chat_template", None)
+    env = Scripted(first="", steps=("rev:de=",))
+    prompt_ids = tok.encode("rev:abc=", add_special_tokens=False)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=90, stop_token_ids=STOPS, seed=5)
+    backend = TorchBackend(model, max_batch_size=2, max_model_len=128, eos_token_ids=[tok.eos_token_id])
+    episodes = Episodes(env, tok, EpisodeSettings(3, 0, 5.0))
+    out, _ = asyncio.run(drive(backend, episodes, [_item(prompt_ids, 2, sp)]))
+    for fin in out.values():
+        assert fin.prompt_ids == prompt_ids
+        for _, obs in _turns(fin)[:-1]:
+            assert obs == tok.encode("rev:de=", add_special_tokens=False)
