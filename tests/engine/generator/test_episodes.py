@@ -329,6 +329,6 @@ def test_without_a_chat_template_observation_text_is_appended_as_it_is(model):
     episodes = Episodes(env, tok, EpisodeSettings(3, 0, 5.0))
     out, _ = asyncio.run(drive(backend, episodes, [_item(prompt_ids, 2, sp)]))
     for fin in out.values():
-        assert fin.prompt_ids == prompt_ids
+        assert fin.prompt_ids == prompt_ids and fin.finish_reason == "length" and fin.num_turns == len(_turns(fin)) > 1
         for _, obs in _turns(fin)[:-1]:
             assert obs == tok.encode("rev:de=", add_special_tokens=False)
