@@ -114,11 +114,17 @@ class ChatRenderer:
             return list(obs.token_ids)
         if not self.templated:
             return self.encode(obs.text)
-        content_ids = turn_ids[:-1] if turn_ids and turn_ids[-1] in self._special else turn_ids
-        conversation = PROXY_PROMPT + [{"role": "assistant", "content": self.decode(content_ids)},
-                                       self._message(obs)]
+        # The token that ended the turn is the template's own end of turn when it is a special token the
+        # template renders after the content (then it is not content); else it is part of the content.
         head = self.render(PROXY_PROMPT, True) + self.decode(turn_ids)
-        return self._suffix(self.render(conversation, True), head, "an observation")
+        variants = [turn_ids[:-1]] if turn_ids and turn_ids[-1] in self._special else []
+        for content_ids in [*variants, turn_ids]:
+            conversation = PROXY_PROMPT + [{"role": "assistant", "content": self.decode(content_ids)},
+                                           self._message(obs)]
+            full = self.render(conversation, True)
+            if full.startswith(head):
+                break
+        return self._suffix(full, head, "an observation")
 
 
 @dataclass
@@ -283,11 +289,14 @@ class Episodes:
         except ValueError as exc:
             log.error("episode %s: %s", ep.key, exc)
             return self._queue("finish", ep, "error")
+        # With env.max_episode_tokens the episode has that budget and max_new_tokens caps each assistant turn;
+        # without, max_new_tokens is the episode's budget.
         budget = self.settings.max_episode_tokens or item.sampling.max_new_tokens
+        per_turn = item.sampling.max_new_tokens if self.settings.max_episode_tokens else 0
         sampling = msgspec.structs.replace(item.sampling, max_new_tokens=budget)
         ep.num_fed = len(first_ids)
         self._queue("add", ep, Request(ep.key.group_id, ep.key.sample_id, prompt, sampling, episode=True,
-                                       observation_ids=tuple(first_ids)))
+                                       observation_ids=tuple(first_ids), max_turn_tokens=per_turn))
 
     async def _step(self, ep: _Episode, turn: Finished) -> None:
         completion = turn.completion_ids.tolist()

@@ -38,6 +38,8 @@ class Request:
     # Fed after the prompt before the first token is sampled, as completion tokens without loss (an episode's
     # first observation): the prompt stays the one handed out, which the trainer checks.
     observation_ids: tuple[int, ...] = ()
+    # An episode's cap per assistant turn (0 = none): a turn that reaches it ends as at a stop token.
+    max_turn_tokens: int = 0
 
     @property
     def fed_prompt(self) -> list[int]:

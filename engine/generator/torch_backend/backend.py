@@ -441,6 +441,8 @@ class TorchBackend:
             kv.set_window(rows, start, kv.lo)
             hidden_1TH = self._forward(ids_1T, positions_1T, kv.attention_mask(rows, start, len(feed), kv.lo))
             self.rows.append_fed(row, obs, self.policy_version)
+            num_gen = int(states[2]) + len(obs)
+            self.rows.turn_end_R[row] = self.rows.turn_end(parked.seq.request, num_gen, int(states[3]))
             self.rows.pending_R[row] = obs[-1]
             self.rows.pos_R[row] = pos + len(feed)
             if self._spec is not None:
@@ -563,11 +565,13 @@ class TorchBackend:
     def _collect_done(self, hit_B: torch.Tensor, num_gen_B: torch.Tensor, rows: slice) -> list[Finished]:
         """After a step: stamp first-token times, finish rows that hit a stop token or their budget."""
         self._stamp_first_tokens()
-        done_B = hit_B | (num_gen_B >= self.rows.limit_R[rows])
+        done_B = hit_B | (num_gen_B >= self.rows.turn_end_R[rows])
         if not bool(done_B.any()):
             return []
         done_rows = done_B.nonzero().flatten().tolist()
-        reasons = ["stop" if hit else "length" for hit in hit_B[done_rows].tolist()]
+        # Short of the budget without a stop token: an episode's turn reached its cap, and ends as at a stop.
+        stop_B = hit_B | (num_gen_B < self.rows.limit_R[rows])
+        reasons = ["stop" if stop else "length" for stop in stop_B[done_rows].tolist()]
         return self._finish_rows(done_rows, reasons)
 
     def _stamp_first_tokens(self) -> None:
@@ -594,15 +598,16 @@ class TorchBackend:
         first_stop_B = torch.where(stop_BN.any(-1), stop_BN.to(torch.int8).argmax(-1) + 1, num_new)
         num_gen_B = self.rows.num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B),
-                                   self.rows.limit_R[rows] - num_gen_B)
+                                   self.rows.turn_end_R[rows] - num_gen_B)
         last_B = num_emit_B - 1
         # Emission is cut at the first stop, so only the last emitted token can be one.
         hit_B = stop_BN[arange_B, last_B]
-        done_B = hit_B | (num_gen_B + num_emit_B >= self.rows.limit_R[rows])
+        done_B = hit_B | (num_gen_B + num_emit_B >= self.rows.turn_end_R[rows])
+        stop_B = hit_B | (num_gen_B + num_emit_B < self.rows.limit_R[rows])  # as in _collect_done
         # The step's one host sync: emitted tokens (the total and the widest row), accepted drafts (for
         # the statistics), and the rows that finish.
         emit_counts, accepted, done, hit = torch.stack(
-            (num_emit_B, num_accepted_B, done_B.to(torch.int64), hit_B.to(torch.int64))).tolist()
+            (num_emit_B, num_accepted_B, done_B.to(torch.int64), stop_B.to(torch.int64))).tolist()
         num_emitted = sum(emit_counts)
         self._spec.commit(arm, tokens_BN, num_emit_B, emit_counts, hidden_BNH, accepted)
         # Entries past num_emit are written too (the buffers have room) and overwritten later.

@@ -5,7 +5,8 @@ decoder share, behind one public API instead of each reaching into the other.
                     row order: row i of every tensor below, and of the cache, belongs to seqs[i]
     kv              kv.SlotKVCache: the rows' keys/values and the column bookkeeping (valid_RC, lo, end)
     pending_R       the next token to feed each row; pos_R its position
-    num_gen_R       tokens generated so far; limit_R the completion length cap; stop_RS the stop ids
+    num_gen_R       tokens generated so far; limit_R the completion length cap; turn_end_R where the current
+                    assistant turn ends (limit_R but for an episode's per-turn cap); stop_RS the stop ids
                     (padded with NO_TOKEN)
     out_tokens_RL   the rows' completions so far: tokens, behaviour log-probs (out_logprobs_RL), the
                     policy version that sampled each token (out_versions_RL), and whether the policy sampled
@@ -51,6 +52,7 @@ class RowState:
         self.pos_R = torch.zeros(rows, dtype=torch.long, device=dev)
         self.num_gen_R = torch.zeros(rows, dtype=torch.long, device=dev)
         self.limit_R = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.turn_end_R = torch.zeros(rows, dtype=torch.long, device=dev)
         self.stop_RS = torch.full((rows, MAX_STOP_IDS + len(self.eos_token_ids)), NO_TOKEN, dtype=torch.long,
                                   device=dev)
         self.out_tokens_RL = torch.zeros(rows, length, dtype=torch.long, device=dev)
@@ -59,7 +61,8 @@ class RowState:
         self.out_sampled_RL = torch.ones(rows, length, dtype=torch.bool, device=dev)
         self.arange_R = torch.arange(rows, device=dev)
         self._states = [self.pending_R, self.pos_R, self.num_gen_R, self.limit_R, self.stop_RS,
-                        self.out_tokens_RL, self.out_logprobs_RL, self.out_versions_RL, self.out_sampled_RL]
+                        self.out_tokens_RL, self.out_logprobs_RL, self.out_versions_RL, self.out_sampled_RL,
+                        self.turn_end_R]
         self._sampling: SamplingBatch | None = None
 
     @property
@@ -106,9 +109,16 @@ class RowState:
         limits = [min(s.request.sampling.max_new_tokens, self.max_model_len - len(s.request.prompt_ids))
                   for s in new]
         self.limit_R[rows] = torch.tensor(limits, device=dev)
+        self.turn_end_R[rows] = torch.tensor([self.turn_end(s.request, len(s.request.observation_ids), limit)
+                                              for s, limit in zip(new, limits, strict=True)], device=dev)
         self.stop_RS[rows] = torch.tensor([self._stop_row(s.request.sampling) for s in new], device=dev)
         self.seqs.extend(new)
         self._sampling = None
+
+    @staticmethod
+    def turn_end(request, num_gen: int, limit: int) -> int:
+        """Where an assistant turn starting after num_gen completion tokens ends at the latest."""
+        return min(limit, num_gen + request.max_turn_tokens) if request.max_turn_tokens else limit
 
     def append_fed(self, row: int, ids: list[int], version: int) -> None:
         """Record tokens fed to a row (an episode's observation) as its next completion entries: log-prob 0,

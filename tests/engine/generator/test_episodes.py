@@ -332,3 +332,13 @@ def test_without_a_chat_template_observation_text_is_appended_as_it_is(model):
         assert fin.prompt_ids == prompt_ids and fin.finish_reason == "length" and fin.num_turns == len(_turns(fin)) > 1
         for _, obs in _turns(fin)[:-1]:
             assert obs == tok.encode("rev:de=", add_special_tokens=False)
+
+
+def test_with_an_episode_budget_max_new_tokens_caps_each_turn(model, tokenizer):
+    # env.max_episode_tokens 60 for the episode, sampling.max_new_tokens 4 for each assistant turn.
+    env = Scripted(steps=("no",))
+    out, _, _ = _run(model, tokenizer, env, num=3, max_turns=4, max_episode_tokens=60, max_new_tokens=4, stops=[])
+    for sample_id, fin in out.items():
+        turns = _turns(fin)[1:]  # after the first observation
+        assert len(turns) == fin.num_turns == 4 and len(env.actions[sample_id]) == 4
+        assert all(len(a) <= 4 for a, _ in turns) and any(len(a) == 4 for a, _ in turns)

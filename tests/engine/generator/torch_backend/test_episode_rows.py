@@ -228,3 +228,24 @@ def test_a_first_observation_is_fed_after_the_prompt_without_loss(model, prompts
     with pytest.raises(ValueError, match="no room"):
         TorchBackend(model, max_batch_size=1, max_model_len=100).add(
             Request(0, 0, prompt, SamplingParams(max_new_tokens=3), episode=True, observation_ids=(1, 2, 3)))
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_turn_cap_ends_the_turn_as_a_stop_would(model, prompts, spec_backend, k):
+    # max_turn_tokens 3 without stop tokens: every turn is exactly 3 sampled tokens (speculative steps cut their
+    # emission there too), parked as a turn; the episode's budget still ends it with "length".
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, seed=6)
+    reqs = [Request(i, 0, p, sp, episode=True, max_turn_tokens=3) for i, p in enumerate(prompts(2, seed=15))]
+    backend = (TorchBackend(model, max_batch_size=2, max_model_len=100) if k == 0 else
+               spec_backend(model, Drafter.for_policy(model, seed=2), k, kind="eagle", max_batch_size=2,
+                            max_model_len=100))
+    done, turns = _episodes(backend, reqs, max_turns=3)
+    for key, fin in done.items():
+        assert [len(t.completion_ids) for t in turns[key]] == [3, 3 + 3 + 3, 3 + 3 + 3 + 1 + 3]
+        assert fin.finish_reason == "stop" and len(fin.completion_ids) == 13
+        _check_against_full_forward(model, fin)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=60, seed=6)
+    reqs = [Request(9, 0, prompts(1, seed=16)[0], sp, episode=True, max_turn_tokens=25)]
+    done, turns = _episodes(TorchBackend(model, max_batch_size=1, max_model_len=100), reqs, max_turns=5)
+    assert [len(t.completion_ids) for t in turns[9, 0]] == [25, 25 + 3 + 25] and done[9, 0].finish_reason == "length"
+    assert len(done[9, 0].completion_ids) == 60  # the third turn cut by the budget: 25 + 3 + 25 + 1 + 6
