@@ -314,7 +314,8 @@ def trie_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: i
 
 
 def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int) -> list[torch.Tensor]:
-    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd."""
+    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd; 0.0
+    at observation tokens (loss_mask False), which have no loss row."""
     if not samples:
         return []
     trie = build_trie(samples)
@@ -344,7 +345,8 @@ def prepare_sequence_loss(model: nn.Module, spec: DecoderSpec, trie: Trie, loss_
 
 
 def summed_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: int) -> torch.Tensor:
-    """Each sample's summed completion log-prob (float64 [S], CPU), shared prefixes run once, no autograd."""
+    """Each sample's summed completion log-prob over its loss tokens (float64 [S], CPU), shared prefixes run
+    once, no autograd."""
     rows = trie_logprobs(model, spec, trie, chunk_rows)
     return torch.zeros(len(trie.sample_path), dtype=torch.float64).index_add_(0, trie.row_sample_R, rows)
 
