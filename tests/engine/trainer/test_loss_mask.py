@@ -1,11 +1,12 @@
 """Multi-turn samples: the loss mask (TrainSample.loss_mask, False on observation tokens) through every loss path.
 
 float64 gradients of naive, replay (kept and recomputed forwards) and packed strategies equal a per-sample
-reference written out here (plain HF forward, full log-softmax, per-token PPO-clip times the mask) to 1e-9,
-token-mean and sample-mean, with observations at the start, middle and end of completions and a group whose
-episodes share two whole turns (prompt + turn 1 + obs 1 + turn 2 + obs 2) before they diverge; a learner step
-of 2 PPO epochs x 2 minibatches equals the reference algorithm; an all-True mask is bit-identical to None;
-staleness and the token counts use assistant tokens only.
+reference written out here (plain HF forward, full log-softmax, per-token PPO-clip + KL times the mask) to
+1e-9, token-mean and sample-mean, with observations at the start, middle and end of completions and a group
+whose episodes share two whole turns (prompt + turn 1 + obs 1 + turn 2 + obs 2) before they diverge; so do the
+loss statistics. A learner step of 2 PPO epochs x 2 minibatches, and one with groups accumulated early, equal
+the reference algorithm; an all-True mask is bit-identical to None; staleness and the token counts use
+assistant tokens only.
 Run: pytest tests/engine/trainer/test_loss_mask.py
 """
 
@@ -26,7 +27,7 @@ from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
 torch.set_num_threads(1)
 F64 = torch.float64
-CLIP_LOW, CLIP_HIGH, IS_CAP = 0.2, 0.28, 2.0
+CLIP_LOW, CLIP_HIGH, IS_CAP, KL_COEF = 0.2, 0.28, 2.0, 0.3
 OBS_VERSION = -7  # what a generator might stamp on observation tokens: must never reach staleness
 
 
@@ -93,27 +94,34 @@ def _mask(s):
     return torch.ones(s.num_completion_tokens, dtype=torch.bool) if s.loss_mask is None else s.loss_mask
 
 
-def _reference(model, samples, prox, aggregation):
-    """(flat gradient, masked token count, masked clipped count, masked entropy sum): per sample, the per-token
-    PPO-clip loss with the truncated behaviour->proximal weight, times the mask, normalised over masked tokens."""
+def _reference(model, samples, prox, aggregation, ref=None):
+    """(flat gradient, masked statistics): per sample, the per-token PPO-clip loss with the truncated
+    behaviour->proximal weight (plus KL_COEF x k3 to `ref` when given), times the mask, normalised over masked
+    tokens; the statistics (token, clipped and truncated counts, sums of entropy, weight and KL) over them."""
     model.zero_grad(set_to_none=True)
     num_masked = sum(int(_mask(s).sum()) for s in samples)
-    clipped, entropy_sum = 0, 0.0
-    for s, prox_T in zip(samples, prox, strict=True):
+    stats = dict(tokens=num_masked, clipped=0, truncated=0, entropy=0.0, is_weight=0.0, kl_ref=0.0)
+    for i, (s, prox_T) in enumerate(zip(samples, prox, strict=True)):
         logp, entropy = _hf_logprobs(model, s)
         m = _mask(s).to(F64)
         ratio = torch.exp(logp - prox_T)
         a = torch.full_like(logp, s.advantage)
         obj = torch.minimum(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
         is_w = torch.exp(prox_T - s.behaviour_logprobs.to(F64)).clamp(max=IS_CAP)
-        per_token = -is_w * obj * m
+        per_token = -is_w * obj
+        if ref is not None:
+            delta = ref[i] - logp
+            per_token = per_token + KL_COEF * (torch.exp(delta) - delta - 1)
+            stats["kl_ref"] += float(((torch.exp(delta) - delta - 1) * m).sum().detach())
         denom = num_masked if aggregation == "token_mean" else len(samples) * float(m.sum())
-        (per_token.sum() / denom).backward()
+        ((per_token * m).sum() / denom).backward()
         with torch.no_grad():
-            clipped += int(((ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a < ratio * a) & _mask(s)).sum())
-            entropy_sum += float((entropy * m).sum())
+            stats["clipped"] += int(((ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a < ratio * a) & _mask(s)).sum())
+            stats["truncated"] += int(((prox_T - s.behaviour_logprobs.to(F64)).exp().gt(IS_CAP) & _mask(s)).sum())
+            stats["entropy"] += float((entropy * m).sum())
+            stats["is_weight"] += float((is_w * m).sum())
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
-    return grad, num_masked, clipped, entropy_sum
+    return grad, stats
 
 
 def _prox(model, samples, seed=3):
@@ -149,20 +157,23 @@ def _grads(model, samples, strategy, loss_fn):
 def test_masked_gradients_equal_the_per_sample_reference(arch, aggregation, cached_exact_model, exact_vocab, rel_err):
     model = cached_exact_model(arch)
     samples = multi_turn_samples(exact_vocab, seed=len(arch))
-    prox = _prox(model, samples)
-    ref, num_masked, clipped, entropy_sum = _reference(model, samples, prox, aggregation)
-    assert 0 < num_masked < sum(s.num_completion_tokens for s in samples)
-    cfg = LossConfig(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, is_cap=IS_CAP, aggregation=aggregation)
+    prox, ref_logprobs = _prox(model, samples), _prox(model, samples, seed=5)  # a reference model's, for the KL
+    expected, want = _reference(model, samples, prox, aggregation, ref=ref_logprobs)
+    assert 0 < want["tokens"] < sum(s.num_completion_tokens for s in samples)
+    cfg = LossConfig(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, is_cap=IS_CAP, kl_coef=KL_COEF,
+                     aggregation=aggregation)
     errors = {}
     for name, make in STRATEGIES.items():
-        got, stats = _grads(model, samples, make(), StepLoss(samples, cfg, prox_logprobs=prox))
-        errors[name] = rel_err(got, ref)
-        assert float(stats["tokens"]) == num_masked, name
-        assert float(stats["entropy_tokens"]) == num_masked, name
-        assert float(stats["clipped"]) == clipped, name
-        assert float(stats["entropy"]) == pytest.approx(entropy_sum, rel=1e-12), name
+        got, stats = _grads(model, samples, make(), StepLoss(samples, cfg, prox_logprobs=prox, ref_logprobs=ref_logprobs))
+        errors[name] = rel_err(got, expected)
+        assert float(stats["entropy_tokens"]) == want["tokens"], name
+        for key in ("tokens", "clipped", "truncated"):
+            assert float(stats[key]) == want[key], (name, key)
+        for key in ("entropy", "is_weight", "kl_ref"):
+            assert float(stats[key]) == pytest.approx(want[key], rel=1e-12), (name, key)
     assert max(errors.values()) <= 1e-9, errors
-    assert clipped > 0  # the clip acts on masked-in tokens, so the comparison covers it
+    # The clip and the truncation act on masked-in tokens, so the comparison covers them.
+    assert want["clipped"] > 0 and want["truncated"] > 0
 
 
 def test_the_trie_shares_observation_tokens_and_gives_them_no_loss_rows(exact_vocab):
@@ -217,7 +228,7 @@ def test_policy_logprobs_are_per_completion_position_with_zero_at_observations(c
         assert not bool(a[~m].any()) and not bool(b[~m].any())
 
 
-def _naive_ppo_step(model, groups, *, lr, epochs, minibatches, max_grad_norm):
+def _naive_ppo_step(model, groups, *, lr, epochs, minibatches, max_grad_norm, aggregation="token_mean"):
     """The algorithm sample by sample: GRPO advantages per group (population std), consecutive parts, the
     policy before the step as proximal, per epoch and part the masked token-mean loss, clip, AdamW."""
     for g in groups:
@@ -236,7 +247,7 @@ def _naive_ppo_step(model, groups, *, lr, epochs, minibatches, max_grad_norm):
         for part in parts:
             samples = [s for g in part for s in g.samples]
             opt.zero_grad(set_to_none=True)
-            _reference(model, samples, [prox[id(s)] for s in samples], "token_mean")
+            _reference(model, samples, [prox[id(s)] for s in samples], aggregation)
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
             opt.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -246,17 +257,13 @@ def _naive_ppo_step(model, groups, *, lr, epochs, minibatches, max_grad_norm):
 def test_ppo_two_epochs_over_episodes_equals_the_reference(replay, exact_model, exact_vocab, rel_err):
     base = exact_model("qwen2")
 
-    def groups():
-        return [Group(group_id=g, samples=multi_turn_samples(exact_vocab, seed=g, group_id=g, assistant_version=4 + g))
-                for g in range(2)]
-
-    expected = _naive_ppo_step(copy.deepcopy(base), groups(), lr=3e-2, epochs=2, minibatches=2, max_grad_norm=1.0)
+    expected = _naive_ppo_step(copy.deepcopy(base), _episode_groups(exact_vocab), lr=3e-2, epochs=2, minibatches=2, max_grad_norm=1.0)
     model = copy.deepcopy(base)
     learner = Learner(model, TrainConfig(lr=3e-2, replay=replay, ppo_epochs=2, minibatches=2, max_grad_norm=1.0,
                                          weight_decay=0.01, betas=(0.9, 0.999), micro_batch_tokens=64,
                                          logprob_chunk_tokens=5, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH,
                                          is_cap=IS_CAP), initial_policy_version=6)
-    batch = groups()
+    batch = _episode_groups(exact_vocab)
     metrics = learner.step(batch)
     got = torch.cat([p.detach().flatten() for p in model.parameters()])
     before = torch.cat([p.detach().flatten() for p in base.parameters()])
@@ -266,6 +273,31 @@ def test_ppo_two_epochs_over_episodes_equals_the_reference(replay, exact_model, 
     # Counts and staleness over assistant tokens: observation tokens' stamped version (-7) is ignored.
     assert metrics["trainer/tokens/loss"] == sum(s.num_loss_tokens for g in batch for s in g.samples)
     assert metrics["trainer/staleness/max"] == 2.0 and metrics["trainer/staleness/mean"] == 1.5
+
+
+def _episode_groups(vocab):
+    return [Group(group_id=g, samples=multi_turn_samples(vocab, seed=g, group_id=g, assistant_version=4 + g))
+            for g in range(2)]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sample_mean"])
+def test_groups_accumulated_early_give_the_same_step(aggregation, exact_model, exact_vocab, rel_err):
+    """accumulate() runs some groups before the step under normaliser 1 and scales them once the step's masked
+    token count is known: the same update as the reference."""
+    base = exact_model("llama")
+    expected = _naive_ppo_step(copy.deepcopy(base), _episode_groups(exact_vocab), lr=3e-2, epochs=1, minibatches=1,
+                               max_grad_norm=1.0, aggregation=aggregation)
+    model = copy.deepcopy(base)
+    learner = Learner(model, TrainConfig(lr=3e-2, replay="replay", max_grad_norm=1.0, weight_decay=0.01,
+                                         betas=(0.9, 0.999), loss_agg=aggregation, clip_eps_low=CLIP_LOW,
+                                         clip_eps_high=CLIP_HIGH, is_cap=IS_CAP), initial_policy_version=6)
+    batch = _episode_groups(exact_vocab)
+    assert learner.accumulate(batch[:1])
+    metrics = learner.step(batch)
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    before = torch.cat([p.detach().flatten() for p in base.parameters()])
+    assert rel_err(got - before, expected - before) <= 1e-9, rel_err(got - before, expected - before)
+    assert metrics["trainer/accumulated_groups"] == 1.0
 
 
 def test_loss_mask_is_validated():
