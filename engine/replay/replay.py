@@ -16,8 +16,9 @@ closes: the parameter gradient is the naive per-sample one, up to rounding. Memo
 keys/values and the kept forwards the budget allows (ReplayForwardBackward.activation_budget_bytes:
 keep an inner segment iff the kept ones + it + the largest single segment still fit; otherwise recompute
 it once at close). The loss is a SequenceLoss (engine/core/losses.py: the learner's StepLoss, or DPOLoss) on
-logical rows (one per sample and completion position), so advantages, behaviour log-probs and
-normalisation are per original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
+logical rows (one per sample and completion position with a loss term: a multi-turn sample's observation
+tokens run forward as prefix but have no row), so advantages, behaviour log-probs and normalisation are per
+original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
 never a [tokens, vocab] tensor.
 Test: pytest tests/engine/replay/test_replay.py
 """

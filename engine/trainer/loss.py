@@ -1,6 +1,6 @@
 """GRPO advantages and the decoupled PPO-clip policy loss with truncated importance weights (AReaL style).
 
-Everything here works on flat per-token tensors, one row per (sample, completion position) pair, so any
+Everything here works on flat per-token tensors, one row per (sample, completion position) pair with a loss term, so any
 forward/backward strategy (naive micro-batches now, branch-replay or packed tries later) can call the
 loss on whatever rows it has, with each row's own sample's advantage and behaviour log-prob. The loss is
 a sum of per-token terms times per-token weights fixed by the whole step (`LossNormaliser`, in
