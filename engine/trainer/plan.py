@@ -247,11 +247,13 @@ def backward_working_bytes(shape: Shape, s: Settings) -> int:
 
 def logits_bytes(shape: Shape, s: Settings) -> int:
     """The chunked LM head's backward (before any decoder layer's): its float32 weight gradient, the
-    gradient of its input rows and one [chunk, vocab] working block."""
+    gradient of its input rows, and one [chunk, vocab] working block or, once the chunks are done, the weight
+    gradient cast to the compute dtype."""
     chunk = min(s.logprob_chunk_tokens, s.tokens)
     b = DTYPE_BYTES[s.effective_compute_dtype]
-    block = chunk * shape.vocab * (4 * _LOGIT_BLOCKS[s.logits_impl] + (b if b != 4 else 0))
-    return shape.vocab * shape.hidden * 4 + s.tokens * shape.hidden * b + int(block)
+    cast = b if b != 4 else 0
+    block = int(chunk * shape.vocab * (4 * _LOGIT_BLOCKS[s.logits_impl] + cast))
+    return shape.vocab * shape.hidden * 4 + s.tokens * shape.hidden * b + max(block, shape.vocab * shape.hidden * cast)
 
 
 def predict(shape: Shape, s: Settings) -> Plan:
@@ -309,17 +311,22 @@ def predict(shape: Shape, s: Settings) -> Plan:
 
 
 def max_tokens(shape: Shape, s: Settings, budget_bytes: float) -> int:
-    """The most tokens per micro-batch whose peak fits in budget_bytes (0: not even one token)."""
-    if predict(shape, replace(s, tokens=1)).peak > budget_bytes:
+    """The most tokens per micro-batch whose peak fits in budget_bytes (0: not even one token); rows stay
+    s.row_tokens long (shorter when the micro-batch is)."""
+
+    def fits(tokens: int) -> bool:
+        return predict(shape, replace(s, tokens=tokens, row_tokens=min(s.row_tokens, tokens))).peak <= budget_bytes
+
+    if not fits(1):
         return 0
     lo, hi = 1, 2
-    while predict(shape, replace(s, tokens=hi)).peak <= budget_bytes:
+    while fits(hi):
         lo, hi = hi, hi * 2
         if hi > 1 << 40:
             return lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if predict(shape, replace(s, tokens=mid)).peak <= budget_bytes else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
@@ -330,11 +337,15 @@ def max_tokens(shape: Shape, s: Settings, budget_bytes: float) -> int:
 def live_bytes() -> Iterator[dict[str, int]]:
     """Inside: every CPU allocation and free is recorded (torch.profiler with profile_memory); on exit the
     dict holds "peak" and "end", the most bytes alive at once and those alive at the end, both counted from
-    the bytes alive on entry. The CPU's stand-in for torch.cuda.max_memory_allocated."""
+    the bytes alive on entry. The CPU's stand-in for torch.cuda.max_memory_allocated. Garbage left from
+    before is collected first, so that its frees do not count against what is measured."""
+    import gc
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     result: dict[str, int] = {}
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield result
     events = sorted((e for e in prof.profiler.kineto_results.events()

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,8 +164,8 @@ def test_max_tokens_is_the_largest_that_fits():
     budget = 92e9
     n = plan.max_tokens(shape, s, budget)
     assert n > 0
-    assert plan.predict(shape, plan.replace(s, tokens=n)).peak <= budget
-    assert plan.predict(shape, plan.replace(s, tokens=n + 1)).peak > budget
+    assert plan.predict(shape, replace(s, tokens=n)).peak <= budget
+    assert plan.predict(shape, replace(s, tokens=n + 1)).peak > budget
 
 
 def test_cli_prints_both_residencies_as_json(capsys):
