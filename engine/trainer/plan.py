@@ -175,7 +175,7 @@ def layer_bytes_per_token(shape: Shape, compute_bytes: int, row_tokens: int = 0)
     logsumexp per head; key and value have the KV heads, or every head when a padding mask makes HF
     repeat them (use_gqa_in_sdpa), and then SDPA also keeps the mask as an additive float bias of
     [rows, 1, row, row] (row_tokens per token). MLP: gate, SiLU(gate), up, their product.
-    Cos/sin and the mask are shared by all layers (shared_bytes_per_token)."""
+    Cos/sin and HF's boolean mask are shared by all layers (shared_bytes_per_token)."""
     h, b = shape.hidden, compute_bytes
     norms = 2 * (4 * h + 2 * b * h)
     q = shape.num_heads * shape.head_dim
@@ -368,6 +368,9 @@ ROWS = (("params", "parameters (sharded, param dtype)"), ("optimizer", "AdamW mo
         ("logits", "LM head chunk + fp32 weight grad"))
 
 
+_PHASE_NAMES = {"forward/backward": "fwd/bwd", "gradient reduce": "reduce", "optimizer": "optimizer"}
+
+
 def report(shape: Shape, s: Settings, device_gb: float, reserve_gb: float) -> dict[str, Any]:
     """Both residencies, with and without activation checkpointing: the plan and the tokens that fit."""
     budget = (device_gb - reserve_gb) * GB
@@ -404,6 +407,7 @@ def format_report(rep: dict[str, Any]) -> str:
     for key, label in ROWS:
         lines.append(f"{label:<{width}}" + "".join(f"{p[key] / GB:>14.2f}" for p in plans))
     lines.append(f"{'peak':<{width}}" + "".join(f"{p['peak'] / GB:>14.2f}" for p in plans))
+    lines.append(f"{'peak during':<{width}}" + "".join(f"{_PHASE_NAMES[p['peak_phase']]:>14}" for p in plans))
     lines.append(f"{'fits':<{width}}" + "".join(f"{'yes' if p['fits'] else 'NO':>14}" for p in plans))
     lines.append(f"{'max tokens / micro-batch / rank':<{width}}" + "".join(f"{p['max_tokens']:>14,}" for p in plans))
     lines.append(f"{'  x ranks':<{width}}" + "".join(f"{p['max_tokens_all_ranks']:>14,}" for p in plans))
