@@ -273,20 +273,23 @@ def predict(shape: Shape, s: Settings) -> Plan:
     params = on_device * sharded_all * pb
     optimizer = on_device * sharded_trainable * 2 * pb
     grads = on_device * sharded_trainable * pb
-    reduce_cast = 4 if cb != 4 else 0  # FSDP2 reduce-scatters in float32: a cast copy of the unit's grads
+    # FSDP2 reduces in float32 under mixed precision (dist.mixed_precision_policy), else in the param dtype:
+    # a unit's gradients are copied into one flat reduce-scatter input, and its output is a shard of it.
+    rb = 4 if cb != pb else pb
     largest_unit = max(_numel(layer_trainable), _numel(root_trainable))
     if W == 1:
         unsharded_params = unsharded_grads = reduce_buffer = 0
         held_grads = grads  # the earlier micro-batches' gradients (the grads themselves)
     elif s.residency == "full":
         unsharded_params = num_all * cb
-        unsharded_grads = num_trainable * cb
-        reduce_buffer = largest_unit * reduce_cast + math.ceil(largest_unit / W) * 4
+        # Without gradient sync FSDP2 accumulates a unit's gradients upcast to the reduce dtype.
+        unsharded_grads = num_trainable * rb
+        reduce_buffer = largest_unit * rb + math.ceil(largest_unit / W) * rb
         held_grads = 0  # sharded gradients appear at the step's reduce, after the last backward
     else:  # the root stays gathered through forward and backward; a layer and its prefetched neighbour
         unsharded_params = (_numel(shape.root_params) + 2 * _numel(layer_all)) * cb
         unsharded_grads = (_numel(root_trainable) + _numel(layer_trainable)) * cb
-        reduce_buffer = _numel(layer_trainable) * reduce_cast + math.ceil(_numel(layer_trainable) / W) * 4
+        reduce_buffer = _numel(layer_trainable) * rb + math.ceil(_numel(layer_trainable) / W) * rb
         held_grads = grads  # reduce-scattered into the sharded gradients every micro-batch
     activations = activation_bytes(shape, s)
     backward_working = backward_working_bytes(shape, s)
@@ -363,7 +366,7 @@ def live_bytes() -> Iterator[dict[str, int]]:
 
 ROWS = (("params", "parameters (sharded, param dtype)"), ("optimizer", "AdamW moments (sharded)"),
         ("grads", "gradients (sharded)"), ("unsharded_params", "gathered parameters (compute dtype)"),
-        ("unsharded_grads", "unsharded gradients"), ("reduce_buffer", "reduce-scatter buffers (fp32)"),
+        ("unsharded_grads", "unsharded gradients"), ("reduce_buffer", "reduce-scatter buffers"),
         ("activations", "activations, one micro-batch"), ("backward_working", "backward working set"),
         ("logits", "LM head chunk + fp32 weight grad"))
 

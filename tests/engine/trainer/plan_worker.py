@@ -61,11 +61,12 @@ def layer_step(learner, groups) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True, help='JSON list of {"tokens": N, "shape": {Qwen2Config fields}}')
+    parser.add_argument("--cases", required=True, help='JSON list of {"tokens": N, "shape": {Qwen2Config fields}, '
+                        '"mixed_precision": train.fsdp.mixed_precision (default auto)}')
     parser.add_argument("--chunk", type=int, default=512)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from tailrace.engine.config import TrainConfig
+    from tailrace.engine.config import FSDPConfig, TrainConfig
     from tailrace.engine.trainer import dist, plan
     from tailrace.engine.trainer.learner import Learner
 
@@ -75,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append({})
         for residency in ("full", "layer"):
             model, group = model_and_groups(case["tokens"], **case["shape"])
+            fsdp = FSDPConfig(mixed_precision=case.get("mixed_precision", "auto"))
             learner = Learner(model, TrainConfig(replay="naive", micro_batch_tokens=case["tokens"],
-                                                 groups_per_step=2, logprob_chunk_tokens=args.chunk))
+                                                 groups_per_step=2, logprob_chunk_tokens=args.chunk, fsdp=fsdp))
             for step in range(2):
                 groups = [group(2 * step), group(2 * step + 1)]
                 with plan.live_bytes() as measured:

@@ -139,8 +139,10 @@ def test_one_rank_step_peak_matches(tiny_lm, case):
 
 @pytest.mark.slow
 def test_two_rank_step_peaks_match_both_residencies(tmp_path):
-    """Two gloo ranks, FSDP2: the whole model gathered for the step (full) and per-layer FSDP2 (layer)."""
-    cases = [{"tokens": 1024, "shape": ACTIVATION_HEAVY}, {"tokens": 128, "shape": WEIGHT_HEAVY}]
+    """Two gloo ranks, FSDP2: the whole model gathered for the step (full) and per-layer FSDP2 (layer), in the
+    model's float32 and with bf16 mixed precision (float32 master weights and reductions)."""
+    cases = [{"tokens": tokens, "shape": shape, "mixed_precision": mp}
+             for mp in ("auto", "bf16") for tokens, shape in ((1024, ACTIVATION_HEAVY), (128, WEIGHT_HEAVY))]
     out = tmp_path / "peaks.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
@@ -153,7 +155,9 @@ def test_two_rank_step_peaks_match_both_residencies(tmp_path):
     for case, measured in zip(cases, json.loads(out.read_text()), strict=True):
         shape = plan.model_shape(Qwen2Config(**case["shape"], tie_word_embeddings=False))
         for residency in ("full", "layer"):
-            p = plan.predict(shape, _settings(ranks=2, tokens=case["tokens"], residency=residency))
+            compute = "bfloat16" if case["mixed_precision"] == "bf16" else "float32"
+            p = plan.predict(shape, _settings(ranks=2, tokens=case["tokens"], residency=residency,
+                                              compute_dtype=compute))
             for peak in measured[residency]:
                 _close(p.peak - p.params - p.optimizer, peak)
 
