@@ -5,7 +5,7 @@
 Parameter counts are exact: the model is built on the meta device from its config.json (nothing is
 downloaded or allocated). The rest follows the trainer (engine/trainer/learner.py, dist.py): fp32 (param
 dtype) master weights sharded over the ranks, AdamW's two moments per trainable parameter, FSDP2 gathering
-in the compute dtype (train.fsdp.mixed_precision) with fp32 reduce-scatters, and one of two residencies
+in the compute dtype (train.fsdp.mixed_precision) and reducing in fp32, and one of two residencies
 during a step: "layer" (one decoder layer gathered at a time, gradients reduce-scattered per layer) or
 "full" (every unit gathered for the whole step, unsharded gradients accumulated, dist.gathered()).
 Activations are the decoder layer's saved tensors counted from the architecture (layer_bytes_per_token);
@@ -27,6 +27,7 @@ from typing import Any
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 RESIDENCIES = ("layer", "full")
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOGITS_IMPLS = ("triton", "torch")
@@ -420,8 +421,9 @@ def format_report(rep: dict[str, Any]) -> str:
 def main(args: Any, overrides: list[str] | None = None) -> int:
     """`tailrace plan` (engine/cli.py parses its flags; it takes no dotted settings)."""
     shape = model_shape(load_hf_config(args.model))
-    settings = Settings(ranks=args.ranks, tokens=args.tokens, param_dtype=args.param_dtype,
-                        compute_dtype=args.compute_dtype, cpu_offload=args.cpu_offload, lora_r=args.lora_r,
+    settings = Settings(ranks=args.ranks, tokens=args.tokens,
+                        param_dtype=_DTYPE_ALIASES.get(args.param_dtype, args.param_dtype),
+                        compute_dtype=_DTYPE_ALIASES.get(args.compute_dtype, args.compute_dtype), cpu_offload=args.cpu_offload, lora_r=args.lora_r,
                         lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
                         logprob_chunk_tokens=args.logprob_chunk_tokens, row_tokens=args.row_tokens,
                         logits_impl=args.logits_impl)
