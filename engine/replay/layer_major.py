@@ -207,8 +207,9 @@ def layer_major(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor
                 h, kv_i = _forward_layer(spec, i, units, inputs[-1], cos_sin, shards)
                 inputs.append(h)
                 kv.append(kv_i)
-            if before_losses is not None:
-                before_losses([spec.decoder.norm(x) for x in inputs[-1]])
+            finals = [spec.decoder.norm(x) for x in inputs[-1]] if before_losses is not None else []
+        if before_losses is not None:
+            before_losses(finals)
         grads = _losses(spec, inputs.pop(), unit_loss_fn)
         for i in reversed(range(num_layers)):
             grads = _backward_layer(spec, i, units, inputs.pop(), grads, kv.pop(), cos_sin, shards, sync_gradients)
