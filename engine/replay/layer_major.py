@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tailrace.engine.core.losses import LossNormaliser, SequenceLoss, add_stats
+from tailrace.engine.core.losses import LossNormaliser, SequenceLoss
 from tailrace.engine.core.models import run_as_forward
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay.attention import SegmentRows, paths_attention
