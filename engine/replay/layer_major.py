@@ -31,6 +31,8 @@ off until the last unit), so activation checkpointing composes (it recomputes on
 samples runs one padding token with a zero loss through every layer: the same collectives.
 Memory per rank: the units' layer inputs for all layers ((L+1) x N x hidden) and the inner units' keys
 and values (L x N_inner x 2 x kv_dim), one unit's activations of one layer at a time, one layer unsharded.
+sample_logprobs is the same forward without autograd (the learner's proximal and reference log-probs):
+AG root, AG L0 .. AG L(n-1).
 Call it outside dist.gathered(): it runs the micro-batch's collectives itself and leaves every FSDP module
 resharded with requires_gradient_sync and reshard_after_backward on, the layers' reshard_after_forward as
 configured, the root's off (as FSDP2 sets a root's by default).
@@ -193,31 +195,40 @@ def layer_major(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor
     by layer (module doc); parameter gradients accumulate in .grad (reduce-scattered under FSDP2 when
     sync_gradients). before_losses(final-normed hidden per unit, no autograd) runs before any loss."""
     shards = _Shards(spec, reshard_after_forward)
-    num_layers = spec.num_layers
     at = [u.nodes.to(tokens_N.device) for u in units]
-    sizes = [a.numel() for a in at]
     tokens = torch.cat([tokens_N[a] for a in at])
     with shards.micro_batch():
-        with torch.no_grad():
-            h = list(_embed(spec, tokens).split(sizes))  # the root's forward: its one all-gather
-            cos_sin = [rope(spec, h[k], depth_N[a]) for k, a in enumerate(at)]
-            inputs: list[list[torch.Tensor]] = [h]
-            kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
-            for i in range(num_layers):
-                h, kv_i = _forward_layer(spec, i, units, inputs[-1], cos_sin, shards)
-                inputs.append(h)
-                kv.append(kv_i)
-            finals = [spec.decoder.norm(x) for x in inputs[-1]] if before_losses is not None else []
+        inputs, kv, cos_sin = _forward_pass(spec, tokens, depth_N, at, units, shards, keep=True)
         if before_losses is not None:
+            with torch.no_grad():
+                finals = [spec.decoder.norm(x) for x in inputs[-1]]
             before_losses(finals)
         grads = _losses(spec, inputs.pop(), unit_loss_fn)
-        for i in reversed(range(num_layers)):
+        for i in reversed(range(spec.num_layers)):
             grads = _backward_layer(spec, i, units, inputs.pop(), grads, kv.pop(), cos_sin, shards, sync_gradients)
         shards.last_backward(shards.root, sync_gradients)
         with torch.enable_grad():
             h0 = _embed(spec, tokens)
         if h0.requires_grad:  # else (frozen embedding, e.g. LoRA) nothing below the layers trains
             h0.backward(torch.cat(grads))
+
+
+@torch.no_grad()
+def _forward_pass(spec: DecoderSpec, tokens: torch.Tensor, depth_N: torch.Tensor, at: list[torch.Tensor],
+                  units: Sequence[Unit], shards: _Shards, *, keep: bool):
+    """Embedding (the root's forward: its all-gather) and every layer over every unit: (layer inputs per
+    layer, the last layer's output last; inner keys/values per layer; cos/sin per unit). Without `keep`
+    only the last layer's output (and no keys/values) is returned."""
+    h = list(_embed(spec, tokens).split([a.numel() for a in at]))
+    cos_sin = [rope(spec, h[k], depth_N[a]) for k, a in enumerate(at)]
+    inputs: list[list[torch.Tensor]] = [h]
+    kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+    for i in range(spec.num_layers):
+        h, kv_i = _forward_layer(spec, i, units, inputs[-1], cos_sin, shards)
+        inputs = [*inputs, h] if keep else [h]
+        if keep:
+            kv.append(kv_i)
+    return inputs, kv, cos_sin
 
 
 def _forward_layer(spec: DecoderSpec, i: int, units: Sequence[Unit], h: list[torch.Tensor], cos_sin: list,
@@ -327,7 +338,7 @@ class LayerMajorForwardBackward:
         every other rank's; the strategy's counts are 0."""
         device = next(spec.root.parameters()).device
         zero = torch.zeros(1, dtype=torch.int64)
-        unit = Unit([0], zero, [SegmentRows(0, 1, (), 0)], [], False)
+        unit = _padding_unit()
 
         def zero_loss(k: int, hidden: torch.Tensor) -> torch.Tensor:
             one = torch.ones(1, dtype=torch.float64, device=device)
@@ -340,13 +351,55 @@ class LayerMajorForwardBackward:
         return {k: torch.zeros((), dtype=torch.float64) for k in keys}
 
 
-def _summed_logprobs(spec: DecoderSpec, trie: Trie, units: Sequence[Unit], hidden: list[torch.Tensor],
-                     chunk_rows: int) -> torch.Tensor:
-    """Each sample's summed completion log-prob (float64 [S], CPU) from the units' final hidden states."""
+def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int, *,
+                    max_unit_tokens: int = 8192, reshard_after_forward: bool = True) -> list[torch.Tensor]:
+    """Per-sample completion log-probs (float64 [T] each, CPU), no autograd, layer by layer: under FSDP2
+    the root and each layer are all-gathered once, in the same order on every rank (a rank without
+    samples runs the padding token and gets []). replay.sample_logprobs' layer-major twin."""
+    spec = decoder_spec(model)
+    device = next(model.parameters()).device
+    if samples:
+        trie = build_trie(samples)
+        units = plan_units(trie, max_unit_tokens)
+        tokens_N, depth_N = trie.tokens_N.to(device), trie.depth_N.to(device)
+    else:
+        units = [_padding_unit()]
+        tokens_N = depth_N = torch.zeros(1, dtype=torch.int64, device=device)
+    shards = _Shards(spec, reshard_after_forward)
+    at = [u.nodes.to(device) for u in units]
+    with shards.micro_batch():
+        (last,), _, _ = _forward_pass(spec, torch.cat([tokens_N[a] for a in at]), depth_N, at, units, shards,
+                                      keep=False)
+        if not samples:
+            return []
+        with torch.no_grad():
+            hidden = [spec.decoder.norm(x) for x in last]
+            rows = _row_logprobs(spec, trie, units, hidden, chunk_rows)
+    lengths = [s.num_completion_tokens for s in samples]
+    offsets_S = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
+    flat = torch.zeros(sum(lengths), dtype=torch.float64)
+    flat[offsets_S[trie.row_sample_R] + trie.row_pos_R] = rows
+    return list(flat.split(lengths))
+
+
+def _padding_unit() -> Unit:
+    return Unit([0], torch.zeros(1, dtype=torch.int64), [SegmentRows(0, 1, (), 0)], [], False)
+
+
+def _row_logprobs(spec: DecoderSpec, trie: Trie, units: Sequence[Unit], hidden: list[torch.Tensor],
+                  chunk_rows: int) -> torch.Tensor:
+    """Every loss row's log-prob (float64 [R], CPU) from the units' final-normed hidden states."""
     rows = torch.zeros(trie.row_lm_R.numel(), dtype=torch.float64)
     for u, h in zip(units, hidden, strict=True):
         out = unit_logprobs(spec, trie, range(u.segs[0], u.segs[-1] + 1), u.nodes, h, chunk_rows=chunk_rows,
                             with_entropy=False)
         if out is not None:
             rows[out[2]] = out[0].double().cpu()
+    return rows
+
+
+def _summed_logprobs(spec: DecoderSpec, trie: Trie, units: Sequence[Unit], hidden: list[torch.Tensor],
+                     chunk_rows: int) -> torch.Tensor:
+    """Each sample's summed completion log-prob (float64 [S], CPU) from the units' final hidden states."""
+    rows = _row_logprobs(spec, trie, units, hidden, chunk_rows)
     return torch.zeros(len(trie.sample_path), dtype=torch.float64).index_add_(0, trie.row_sample_R, rows)

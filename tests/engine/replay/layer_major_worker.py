@@ -6,8 +6,9 @@ for the 1-rank reference).
 Builds the float64 tiny model of the replay tests (float64 norms), shards it per decoder layer with
 fully_shard (reshard_after_forward=True, gradients summed), and runs one layer-major forward/backward of
 this rank's samples: rank 0 a deep two-level trie, rank 1 a flat group of another prompt (none with
---empty-rank). It logs every all-gather and reduce-scatter FSDP2 issues (kind, input elements). Rank 0
-writes the full gradient, both ranks' logs and unit counts to OUT (torch.save). Without torchrun one
+--empty-rank), then its log-probs without autograd. It logs every all-gather and reduce-scatter FSDP2
+issues in each (kind, input elements). Rank 0 writes the full gradient, both ranks' logs and unit counts to
+OUT (torch.save). Without torchrun one
 process runs both sample sets one after the other: the reference gradient.
 """
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tailrace.engine.config import FSDPConfig
     from tailrace.engine.core.losses import LossNormaliser
-    from tailrace.engine.replay.layer_major import LayerMajorForwardBackward, plan_units
+    from tailrace.engine.replay.layer_major import LayerMajorForwardBackward, plan_units, sample_logprobs
     from tailrace.engine.replay.trie import build_trie
     from tailrace.engine.trainer import dist
     from tailrace.engine.trainer.loss import LossConfig, StepLoss
@@ -131,14 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     log = CollectiveLog()
     strategy(model, mine, StepLoss(mine, config) if mine else None, normaliser)
     entries = log.stop()
+    log = CollectiveLog()
+    sample_logprobs(model, mine, 5, max_unit_tokens=4)
+    logprob_entries = log.stop()
     logs: list = [None] * info.world_size
     tdist.all_gather_object(logs, entries)
+    logprob_logs: list = [None] * info.world_size
+    tdist.all_gather_object(logprob_logs, logprob_entries)
     units: list = [None] * info.world_size
     tdist.all_gather_object(units, len(plan_units(build_trie(mine), 4)) if mine else 0)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     if info.rank == 0:
-        torch.save({"grads": grads, "collectives": logs, "num_layers": model.config.num_hidden_layers,
-                    "units": units}, args.out)
+        torch.save({"grads": grads, "collectives": logs, "logprob_collectives": logprob_logs,
+                    "num_layers": model.config.num_hidden_layers, "units": units}, args.out)
     dist.shutdown()
     return 0
 

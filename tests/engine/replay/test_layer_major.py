@@ -1,6 +1,7 @@
 """Layer-major replay (engine/replay/layer_major.py) gives the naive per-sample gradient in float64 (1e-10):
 token- and sample-mean, tied and untied heads, qk-norm and sliding windows, LoRA adapters, activation
-checkpointing, deep tries with skewed branches, random tries, DPO; a rank without samples; and on 2 ranks
+checkpointing, deep tries with skewed branches, random tries, DPO; log-probs without autograd; a rank without
+samples; and on 2 ranks
 under per-layer fully_shard (tests/engine/replay/layer_major_worker.py) the 1-rank gradient with the same
 all-gather / reduce-scatter sequence on both ranks although their tries differ.
 Run: pytest tests/engine/replay/test_layer_major.py
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 from tailrace.engine.config import FSDPConfig, LoRAConfig
 from tailrace.engine.core.losses import LossNormaliser
 from tailrace.engine.replay import dpo_loss
-from tailrace.engine.replay.layer_major import LayerMajorForwardBackward, plan_units
+from tailrace.engine.replay.layer_major import LayerMajorForwardBackward, plan_units, sample_logprobs
+from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.trainer import dist, lora
 from tailrace.engine.trainer.learner import NaiveForwardBackward
@@ -168,6 +170,16 @@ def test_dpo_sequence_loss_equals_naive(cached_exact_model, make_samples, naive_
     assert float(stats["loss_dpo"]) == pytest.approx(expected_loss, rel=1e-12)
 
 
+def test_sample_logprobs_equal_replays(cached_exact_model, deep_samples):
+    model = cached_exact_model("qwen2")
+    samples = deep_samples(4)
+    want = replay_sample_logprobs(model, samples, 5)
+    got = sample_logprobs(model, samples, 5, max_unit_tokens=3)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)) <= 1e-12
+    assert sample_logprobs(model, [], 5) == []
+
+
 def test_rank_without_samples_runs_a_zero_padding_unit(cached_exact_model):
     model = cached_exact_model("qwen2")
     model.zero_grad(set_to_none=True)
@@ -215,3 +227,6 @@ def test_two_ranks_per_layer_fsdp_equal_one_rank_with_one_collective_sequence(ar
     _run_two_ranks(tmp_path / "empty.pt", "--arch", arch, "--empty-rank")
     empty = torch.load(tmp_path / "empty.pt", weights_only=True)
     assert empty["collectives"][0] == empty["collectives"][1] == logs[0]
+    # Log-probs without autograd (proximal / reference): the forward half, the same on both ranks.
+    for run in (two, empty):
+        assert run["logprob_collectives"][0] == run["logprob_collectives"][1] == logs[0][: 1 + num_layers]
