@@ -331,7 +331,9 @@ class LayerMajorForwardBackward:
         layer_major(spec, trie.tokens_N.to(device), trie.depth_N.to(device), units, loss_of,
                     sync_gradients=self.sync_gradients, reshard_after_forward=self.reshard_after_forward,
                     before_losses=sequence_logprobs if hasattr(loss_fn, "set_sequence_logprobs") else None)
-        return {**stats, **trie_stats(trie, trie.num_forward_tokens, trie.num_forward_tokens)}
+        # Every forward token runs twice: in the forward pass and recomputed in the backward pass (as replay
+        # counts its recomputed segments in padded_tokens too).
+        return {**stats, **trie_stats(trie, 2 * trie.num_forward_tokens, trie.num_forward_tokens)}
 
     def _padding(self, spec: DecoderSpec) -> dict[str, torch.Tensor]:
         """No samples on this rank: one token through every layer with a zero loss, so its collectives are
