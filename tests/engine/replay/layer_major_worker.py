@@ -5,8 +5,8 @@ for the 1-rank reference).
 
 Builds the float64 tiny model of the replay tests (float64 norms), shards it per decoder layer with
 fully_shard (reshard_after_forward=True, gradients summed), and runs one layer-major forward/backward of
-this rank's samples: rank 0 a deep two-level trie, rank 1 a flat group of another prompt (none with
---empty-rank), then its log-probs without autograd. It logs every all-gather and reduce-scatter FSDP2
+this rank's samples (in --micro-batches calls, gradient sync on the last): rank 0 a deep two-level trie,
+rank 1 a flat group of another prompt (none with --empty-rank), then its log-probs without autograd. It logs every all-gather and reduce-scatter FSDP2
 issues in each (kind, input elements). Rank 0 writes the full gradient, both ranks' logs and unit counts to
 OUT (torch.save). Without torchrun one
 process runs both sample sets one after the other: the reference gradient.
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--empty-rank", action="store_true", help="rank 1 gets no samples (its padding unit runs)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="split each rank's samples into this many calls, gradient sync on the last only")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -130,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.shard_model(model, FSDPConfig(reshard_after_forward=True, collective_timeout_s=60.0))
     mine = [deep, [] if args.empty_rank else flat][info.rank]
     log = CollectiveLog()
-    strategy(model, mine, StepLoss(mine, config) if mine else None, normaliser)
+    for k in range(args.micro_batches):  # contiguous parts (every part of an empty rank is empty)
+        part = mine[k * len(mine) // args.micro_batches:(k + 1) * len(mine) // args.micro_batches]
+        strategy.sync_gradients = k == args.micro_batches - 1
+        strategy(model, part, StepLoss(part, config) if part else None, normaliser)
     entries = log.stop()
     log = CollectiveLog()
     sample_logprobs(model, mine, 5, max_unit_tokens=4)

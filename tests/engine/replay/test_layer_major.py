@@ -227,6 +227,14 @@ def test_two_ranks_per_layer_fsdp_equal_one_rank_with_one_collective_sequence(ar
     _run_two_ranks(tmp_path / "empty.pt", "--arch", arch, "--empty-rank")
     empty = torch.load(tmp_path / "empty.pt", weights_only=True)
     assert empty["collectives"][0] == empty["collectives"][1] == logs[0]
+    # Two micro-batches per rank, gradient sync off in the first (FSDP2 accumulation without communication):
+    # the same gradient; the first call's collectives are its all-gathers only.
+    _run_two_ranks(tmp_path / "accum.pt", "--arch", arch, "--micro-batches", "2")
+    accum = torch.load(tmp_path / "accum.pt", weights_only=True)
+    worst = max(rel_err(accum["grads"][k], ref["grads"][k]) for k in ref["grads"])
+    assert worst <= TOL, worst
+    gathers = [entry for entry in logs[0] if entry[0] == "all_gather"]
+    assert accum["collectives"][0] == accum["collectives"][1] == gathers + logs[0]
     # Log-probs without autograd (proximal / reference): the forward half, the same on both ranks.
     for run in (two, empty):
         assert run["logprob_collectives"][0] == run["logprob_collectives"][1] == logs[0][: 1 + num_layers]
