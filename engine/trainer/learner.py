@@ -416,7 +416,9 @@ class Learner:
                 with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
                     if first and len(parts) > 1:
                         prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
-                    if mine[i]:
+                    if not mine[i] and self.config.replay == "layer_major":
+                        self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
+                    elif mine[i]:
                         loss_fn = StepLoss(mine[i], self.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
                         if first and self.config.ppo_epochs > 1:
                             loss_fn = ppo.RecordingLoss(loss_fn)
@@ -447,7 +449,9 @@ class Learner:
         stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
         ref_logprobs = self._ref_logprobs(mine)
         with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-            if mine:
+            if not mine and self.config.replay == "layer_major":
+                self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
+            elif mine:
                 loss_fn = StepLoss(mine, self.loss, ref_logprobs=ref_logprobs)
                 add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
             dist.reduce_gradients(self.model, self._zero_weight_loss)

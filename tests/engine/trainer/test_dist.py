@@ -108,7 +108,8 @@ def test_two_ranks_train_and_serve_as_one_and_checkpoints_reshard(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replay,checkpointing", [("naive", False), ("packed", False), ("replay", True)])
+@pytest.mark.parametrize("replay,checkpointing", [("naive", False), ("packed", False), ("replay", True),
+                                                   ("layer_major", True)])
 def test_two_ranks_equal_one_rank_float64(tmp_path, replay, checkpointing):
     args = ("--replay", replay, "--arch", "llama")
     one = _train(tmp_path, "one", *args, nproc=1)
