@@ -55,6 +55,7 @@ class TrainSample:
     temperature: float = 1.0
     finish_reason: str = "stop"
     reward_details: dict[str, float] = field(default_factory=dict)  # the reward dict's other entries (logged)
+    loss_mask: torch.Tensor | None = None  # bool [T]: False for observation tokens (multi-turn); None = all True
 
     def __post_init__(self) -> None:
         # as_tensor accepts lists and numpy arrays (decoded wire frames are int32 numpy views).
