@@ -308,29 +308,35 @@ def load_class(spec: str, setting: str = "--env") -> Callable[[], Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line of an environment server: module:Class --connect ADDR [--tasks a,b] [--name N]
-    [--max-concurrency N] [--max-episodes N] [--timeout-s S] [--curve-server-key FILE] [--curve-key FILE]."""
+    [--max-concurrency N] [--max-episodes N] [--timeout-s S] [--connect-timeout-s S] [--curve-server-key FILE]
+    [--curve-key FILE] (`tailrace env` takes the same). Returns the exit status."""
     parser = argparse.ArgumentParser(description="Serve a Python environment class to a tailrace trainer.")
     parser.add_argument("env", help="module:Class, instantiated once per episode")
     parser.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--tasks", default="", help="comma-separated task names it serves (default: the class's "
                         "`tasks` attribute, else all)")
-    parser.add_argument("--name", default=None, help="unique name in the run (default: env-<host>-<pid>)")
-    parser.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
+    parser.add_argument("--name", default="", help="unique name in the run (default: env-<host>-<pid>)")
+    parser.add_argument("--max-concurrency", type=int, default=16, help="resets and steps served at once")
     parser.add_argument("--max-episodes", type=int, default=1024, help="episodes open at once")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-request time limit in seconds")
-    parser.add_argument("--connect-timeout-s", type=float, default=60.0,
-                        help="how long to wait for a trainer (0: until one answers)")
+    parser.add_argument("--connect-timeout-s", type=float, default=0.0,
+                        help="how long to wait for a trainer, in seconds (0: until one answers)")
     parser.add_argument("--curve-server-key", default="", help="file holding the trainer's CURVE public key")
     parser.add_argument("--curve-key", default="", help="file holding this server's CURVE secret key")
-    args = parser.parse_args(argv)
+    return run_args(parser.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Serve `args.env` as main()'s flags say (also `tailrace env`'s); the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s env %(levelname)s %(message)s")
     from tailrace.protocol.transport import TransportError, read_key
 
     try:
         make_env = load_class(args.env)
-        reason = run(serve(make_env, args.connect, tasks=[t for t in args.tasks.split(",") if t], name=args.name,
-                           max_concurrency=args.max_concurrency, max_episodes=args.max_episodes,
-                           timeout_s=args.timeout_s, connect_timeout_s=args.connect_timeout_s or math.inf,
+        reason = run(serve(make_env, args.connect, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+                           name=args.name or None, max_concurrency=args.max_concurrency,
+                           max_episodes=args.max_episodes, timeout_s=args.timeout_s,
+                           connect_timeout_s=args.connect_timeout_s or math.inf,
                            curve_server_key=read_key(args.curve_server_key, "--curve-server-key"),
                            curve_secret_key=read_key(args.curve_key, "--curve-key")))
     except (TransportError, ValueError) as exc:
