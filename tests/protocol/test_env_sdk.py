@@ -11,10 +11,12 @@ import math
 import time
 import uuid
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
+from tailrace.protocol import codec
 from tailrace.protocol.env_broker import EnvBroker
 from tailrace.protocol.env_sdk import serve, to_observation
 from tailrace.protocol.messages import (
@@ -328,3 +330,30 @@ async def test_only_generators_run_episodes_and_only_env_servers_answer(rig):
         (ErrorCode.UNAUTHORIZED, EnvReset.KIND), (ErrorCode.UNAUTHORIZED, EnvObservation.KIND)]
     with contextlib.suppress(Exception):
         await tool.client.close()
+
+
+async def test_a_bad_observation_is_answered_error_and_its_request_ends_at_its_deadline(rig):
+    """An environment server of another language answers with a NaN reward (or any body that fails the
+    codec): it gets Error 401 naming EnvObservation, the episode's request is settled by its deadline
+    (env_timeout), and a good answer after that is still served: never a hang."""
+    server, broker, attach, generator = rig
+    env = await generator(name="bad-env", role="env", max_inflight=2, tasks=["*"])
+    gen = await generator()
+    pending = asyncio.create_task(gen.reset(1))
+    await wait_until(lambda: any(isinstance(x, EnvReset) for x in env.other))
+    req = next(x for x in env.other if isinstance(x, EnvReset))
+    frames = codec.encode(EnvObservation(request_id=req.request_id, episode_id=req.episode_id, reward=0.5))
+    body = msgpack.unpackb(frames[1])
+    body[EnvObservation.__struct_fields__.index("reward")] = math.nan
+    await env.client._send_frames([frames[0], msgpack.packb(body)])
+    await env.client._send_frames([frames[0], b"\xc1garbage"])
+    reply = await pending
+    assert (reply.code, reply.reason) == (ErrorCode.TIMEOUT, "env_timeout")
+    refused = [x for x in env.other if isinstance(x, Error)]
+    assert [(x.code, x.ref_kind) for x in refused] == [(ErrorCode.BAD_FIELD, EnvObservation.KIND)] * 2
+    assert "reward must be finite" in refused[0].text
+    served = asyncio.create_task(gen.reset(2))
+    await wait_until(lambda: sum(isinstance(x, EnvReset) for x in env.other) == 2)
+    second = [x for x in env.other if isinstance(x, EnvReset)][1]
+    await env.client.send(EnvObservation(request_id=second.request_id, episode_id=second.episode_id, text="ok"))
+    assert (await served).text == "ok"
