@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
 from tailrace.engine.trainer.controller import GroupState
-from tailrace.engine.trainer.intake import rollout_problem
+from tailrace.engine.trainer.intake import max_completion_tokens, rollout_problem
 from tailrace.engine.trainer.scoring import ScoringFailed
 from tailrace.protocol import messages as m
 
@@ -56,8 +56,6 @@ class EvalService(Protocol):
     async def serve_parked(self) -> None: ...
 
     def spawn_scoring(self, coro: Any) -> None: ...  # a scoring task whose error stops the run
-
-    def max_completion_tokens(self) -> int: ...  # the most tokens a rollout may have (an episode's budget)
 
     def event(self, name: str, text: str, **fields: Any) -> m.Event: ...
 
@@ -182,7 +180,7 @@ class Evaluator:
             self.counters["rollouts_dropped/eval_not_assigned"] += 1
             return
         group.returned.add(msg.sample_id)
-        problem = rollout_problem(group.state, msg, svc.vocab_size, svc.max_completion_tokens())
+        problem = rollout_problem(group.state, msg, svc.vocab_size, max_completion_tokens(self.cfg))
         if problem is not None and problem[0] != "empty_completion":  # an empty answer is an answer: scored
             log.warning("eval rollout %d/%d from %s failed: %s", msg.group_id, msg.sample_id, peer.name, problem[1])
             return self._record(group, None)

@@ -6,12 +6,21 @@ state. Test: pytest tests/engine/trainer/test_trainer_service.py (rollouts refus
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from tailrace.engine.core.samples import Group
 from tailrace.engine.trainer.controller import GroupState
 from tailrace.protocol import messages as m
+
+
+def max_completion_tokens(cfg: Any) -> int:
+    """The most completion tokens a rollout may have (cfg: a RunConfig): an episode's budget (assistant and
+    observation tokens) with env.max_turns > 1 and env.max_episode_tokens set, else sampling.max_new_tokens."""
+    if cfg.env.max_turns > 1 and cfg.env.max_episode_tokens:
+        return cfg.env.max_episode_tokens
+    return cfg.sampling.max_new_tokens
 
 
 def rollout_problem(group: GroupState, msg: m.Rollout, vocab_size: int,

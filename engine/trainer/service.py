@@ -61,7 +61,7 @@ from tailrace.engine.trainer.broadcaster import Broadcaster, make_broadcaster, w
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.in_run_eval import Evaluator
-from tailrace.engine.trainer.intake import rollout_problem, to_group
+from tailrace.engine.trainer.intake import max_completion_tokens, rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.reward_signal import NoSignalWatch
 from tailrace.engine.trainer.runs import keep_metrics_up_to, make_run_dir
@@ -461,7 +461,7 @@ class TrainerService:
             self.counters[f"rollouts_dropped/{reason}"] += 1
             return
         group = self.controller.groups[msg.group_id]
-        problem = rollout_problem(group, msg, self.vocab_size, self.max_completion_tokens())
+        problem = rollout_problem(group, msg, self.vocab_size, max_completion_tokens(self.cfg))
         handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
         self.progress_s = time.monotonic()
         if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
@@ -475,13 +475,6 @@ class TrainerService:
             self.changed.set()
             return
         self.spawn_scoring(self.score(group.prompt, msg))
-
-    def max_completion_tokens(self) -> int:
-        """The most completion tokens a rollout may have: an episode's budget (assistant and observation
-        tokens) with env.max_turns > 1, else sampling.max_new_tokens."""
-        if self.cfg.env.max_turns > 1 and self.cfg.env.max_episode_tokens:
-            return self.cfg.env.max_episode_tokens
-        return self.cfg.sampling.max_new_tokens
 
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
         try:

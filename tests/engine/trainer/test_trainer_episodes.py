@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tailrace.engine.config import load_config
+from tailrace.engine.trainer.intake import max_completion_tokens
 from tailrace.engine.trainer.service import TrainerService
 from tailrace.protocol import messages as m
 from tailrace.protocol.env_sdk import serve
@@ -108,3 +109,11 @@ async def test_episodes_are_brokered_rewarded_by_their_environment_and_trained_w
     assert [s.reward for s in samples] == [0.25, 0.75]  # the environment's: the built-in function would give ~0
     assert all(s.loss_mask.dtype == torch.bool and s.loss_mask.tolist() == [bool(x) for x in mask] for s in samples)
     assert summary["scored_by"] == {"server": 0, "builtin": 0}
+
+
+def test_an_episode_may_be_as_long_as_its_token_budget():
+    single = load_config(None, ["--sampling.max_new_tokens", "12"])
+    episodes = load_config(None, ["--sampling.max_new_tokens", "12", "--env.max_turns", "4",
+                                  "--env.max_episode_tokens", "80"])
+    unset = load_config(None, ["--sampling.max_new_tokens", "12", "--env.max_turns", "4"])
+    assert [max_completion_tokens(c) for c in (single, episodes, unset)] == [12, 80, 12]
