@@ -68,9 +68,14 @@ class ProtocolEnvironment:
         return await self._ask(episode, request_id, msg, self.timeout_s)
 
     async def close(self, episode: EpisodeKey) -> None:
+        """Never raises: without a session there is nothing left to close (the trainer closed it)."""
         episode_id = self._episodes.pop(episode, None)
-        if episode_id is not None:
+        if episode_id is None:
+            return
+        try:
             await self.send(m.EnvClose(episode_id=episode_id))
+        except EnvironmentError:
+            pass
 
     def on_message(self, msg: m.EnvObservation | m.EnvError) -> None:
         """An answer from the trainer (called by the recv loop); one nobody waits for is dropped."""

@@ -109,6 +109,14 @@ async def test_a_silent_trainer_is_a_deadline_and_a_lost_session_fails_requests_
         await pending
     assert dead.value.reason == "env_dead"
 
+    async def lost(msg):
+        raise EnvironmentError("env_dead", "no session with the trainer")
+
+    env.send = lost
+    env._episodes[key] = 99
+    await env.close(key)  # nothing to close without a session: no error for the episode loop's cleanup
+    assert env.num_open == 0
+
 
 async def test_answers_map_to_observations_and_reasons():
     queue: asyncio.Queue = asyncio.Queue()
