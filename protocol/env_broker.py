@@ -62,6 +62,7 @@ class _Request:
     timer: asyncio.TimerHandle | None = None
     request_id: int = -1        # ours, once sent
     server: bytes | None = None
+    answered: bool = False      # the generator got its EnvObservation or EnvError
 
 
 @dataclasses.dataclass(eq=False)
@@ -171,9 +172,10 @@ class EnvBroker:
         if episode is None or episode.server is None:
             return self._answer_error(peer.id, msg, ErrorCode.UNSUPPORTED, f"episode {msg.episode_id} is not "
                                       "open (reset first; an episode ends with done or an EnvError)")
-        if episode.busy:
-            return self._answer_error(peer.id, msg, ErrorCode.BAD_FIELD,
-                                      f"episode {msg.episode_id} has a request in flight already")
+        if episode.busy:  # a generator's bug: the episode ends (an EnvError always ends it)
+            self._answer_error(peer.id, msg, ErrorCode.BAD_FIELD, f"episode {msg.episode_id} has a request in "
+                               "flight already")
+            return self._close(episode, tell_server=True)
         self.counters["steps"] += 1
         req = _Request(episode=episode, gen_request_id=msg.request_id, msg=msg)
         self._start_clock(req)
@@ -252,6 +254,7 @@ class EnvBroker:
             episode, gen_msg = req.episode, req.msg
             episode.busy = False
             if isinstance(msg, EnvObservation):
+                req.answered = True
                 self.counters["answers/observation"] += 1
                 self._send(episode.generator, EnvObservation(
                     request_id=gen_msg.request_id, episode_id=gen_msg.episode_id, text=msg.text,
@@ -315,7 +318,9 @@ class EnvBroker:
     def _fail(self, req: _Request, code: int, text: str, reason: str, *, tell_server: bool) -> None:
         self._forget_request(req)
         self.counters[f"failed/{reason}"] += 1
-        self._answer_error(req.episode.generator, req.msg, code, text, reason)
+        if not req.answered:
+            req.answered = True
+            self._answer_error(req.episode.generator, req.msg, code, text, reason)
         self._close(req.episode, tell_server=tell_server)
 
     def _answer_error(self, generator: bytes, msg: EnvReset | EnvStep, code: int, text: str,
@@ -328,13 +333,20 @@ class EnvBroker:
         if self._by_id.pop(episode.episode_id, None) is None:
             return
         self._episodes.pop((episode.generator, episode.gen_episode_id), None)
-        for req in [r for r in self._queue if r.episode is episode]:
+        pending = [r for r in self._queue if r.episode is episode]
+        for req in pending:
             self._forget_request(req)
         for env in self._servers.values():
             for request_id, req in env.inflight.items():
                 if req is not None and req.episode is episode:
                     self._settle(req)
                     env.inflight[request_id] = None  # answered late or never: its slot waits for that
+                    pending.append(req)
+        for req in pending:  # nobody waits for an answer that will not come
+            if not req.answered:
+                req.answered = True
+                self._answer_error(episode.generator, req.msg, ErrorCode.INTERNAL, "the episode was closed",
+                                   "env_error")
         env = self._servers.get(episode.server) if episode.server is not None else None
         if env is not None:
             env.episodes.discard(episode.episode_id)

@@ -358,3 +358,19 @@ async def test_a_bad_observation_is_answered_error_and_its_request_ends_at_its_d
     second = [x for x in env.other if isinstance(x, EnvReset)][1]
     await env.client.send(EnvObservation(request_id=second.request_id, episode_id=second.episode_id, text="ok"))
     assert (await served).text == "ok"
+
+
+async def test_a_step_while_one_is_in_flight_ends_the_episode(rig):
+    """An EnvError always ends an episode, also the one a generator's second concurrent step gets: the
+    broker forgets it and tells its server, so nothing is left open that the generator would never close."""
+    server, broker, attach, generator = rig
+    await attach(Counter)
+    gen = await generator()
+    await gen.reset(1, metadata={"secret": 5})
+    first = asyncio.create_task(gen.step(1, "sleep"))
+    await wait_until(lambda: any(s.inflight for s in broker._servers.values()))
+    second = await gen.step(1, "x")
+    assert (second.code, second.reason) == (ErrorCode.BAD_FIELD, "env_error") and broker.num_episodes == 0
+    await wait_until(lambda: 5 in CLOSED)  # EnvClose reached the server
+    closed = await first  # answered at once: nobody waits for the deadline of a closed episode's request
+    assert (closed.reason, closed.text) == ("env_error", "the episode was closed")
