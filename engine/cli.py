@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tailrace {_version()}")
     sub = parser.add_subparsers(dest="role", required=True,
-                                metavar="{run,trainer,generator,reward,eval,config,samples,plan}")
+                                metavar="{run,trainer,generator,reward,env,eval,config,samples,plan}")
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
@@ -98,6 +98,20 @@ def _parser() -> argparse.ArgumentParser:
     reward.add_argument("--max-concurrency", type=int, default=16, help="requests served at once")
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
     _peer_arguments(reward)
+
+    env = sub.add_parser("env", help="serve a Python environment class (multi-turn episodes)",
+                         description="Run `module:Class` as an environment server attached to a trainer: one "
+                         "instance per episode, reset(prompt, metadata) then step(action) per assistant turn, "
+                         "each returning an observation (docs/environments.md).")
+    env.add_argument("env", metavar="MODULE:CLASS", help="e.g. examples.multiturn.reverse_chain:ReverseChain")
+    env.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
+    env.add_argument("--tasks", default="", help="comma-separated task names it serves (default: the class's "
+                     "`tasks` attribute if it has one, else all)")
+    env.add_argument("--name", default="", help="unique name in the run (default: env-<host>-<pid>)")
+    env.add_argument("--max-concurrency", type=int, default=16, help="resets and steps served at once")
+    env.add_argument("--max-episodes", type=int, default=1024, help="episodes open at once")
+    env.add_argument("--timeout-s", type=float, default=60.0, help="per-request time limit")
+    _peer_arguments(env)
 
     evaluate = sub.add_parser("eval", help="evaluate a saved checkpoint: greedy accuracy, mean reward, pass@k",
                               epilog=SETTINGS_EPILOG, description="Load a checkpoint folder, sample the eval "
@@ -194,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     role_parser = args.role_parsers[args.role]
-    if args.role in ("samples", "plan") and overrides:
+    if args.role in ("samples", "plan", "env") and overrides:
         role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.role == "reward" and args.fn and overrides:
         role_parser.error(f"unrecognized arguments: {' '.join(overrides)} (settings go with reward.functions, not --fn)")
@@ -223,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             from tailrace.engine.trainer.sample_log import main as role_main
         elif args.role == "plan":
             from tailrace.engine.trainer.plan import main as role_main
+        elif args.role == "env":
+            from tailrace.protocol.env_sdk import run_args
+
+            return run_args(args)
         elif args.role == "config":
             from tailrace.engine.config import commented_toml, load_config
 

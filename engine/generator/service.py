@@ -2,7 +2,8 @@
 finished sample at once, and takes new weights between decode steps.
 
     recv loop   consumes Work / Cancel / WeightsNotice / WeightsChunk / Shutdown / Error from the trainer
-                into GenState (bounded: work only arrives as answers to our own WorkRequests)
+                into GenState (bounded: work only arrives as answers to our own WorkRequests); EnvObservation /
+                EnvError go to the environment client (env_client.py), which episodes wait on
     session     one Hello and these loops; a session the trainer declared dead while we were alive (a
                 frozen process) ends with its work dropped, and a new session starts (drop_session)
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
@@ -179,6 +180,12 @@ class GeneratorService:
         self.samples_dropped = 0  # samples of such sessions, dropped (the trainer handed them out again)
         self.started_s = time.monotonic()
         self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
+        from tailrace.engine.generator.env_client import ProtocolEnvironment
+
+        # Multi-turn episodes (env.max_turns > 1): environment servers, reached through the trainer.
+        self.env = ProtocolEnvironment(self.send_env, timeout_s=cfg.env.timeout_s,
+                                       wait_for_server_s=cfg.env.wait_for_server_s,
+                                       vocab_size=self.backend.vocab_size)
 
     async def run(self) -> str:
         """Serve the run until the trainer's Shutdown (returns its reason). A session the trainer declared
@@ -229,10 +236,23 @@ class GeneratorService:
                     raise
                 self.state.shutdown = self.client.shutdown_reason or "trainer shut down"
             finally:
+                self.env.fail_all("env_dead", "the session with the trainer ended")  # no episode waits on it
                 for task in (recv, stats, *self.receive_tasks):
                     task.cancel()
                 await asyncio.gather(recv, stats, *self.receive_tasks, return_exceptions=True)
         return self.state.shutdown or ""
+
+    async def send_env(self, msg: m.EnvReset | m.EnvStep | m.EnvClose) -> None:
+        """The environment client's way to the trainer: this session's connection."""
+        from tailrace.engine.generator.environment import EnvironmentError
+        from tailrace.protocol.transport import ConnectionLost
+
+        if self.client is None:
+            raise EnvironmentError("env_dead", "no session with the trainer")
+        try:
+            await self.client.send(msg)
+        except ConnectionLost as exc:
+            raise EnvironmentError("env_dead", f"the session with the trainer ended: {exc}") from None
 
     def drop_session(self, lost: Exception) -> None:
         """The trainer declared our session dead and handed its samples out again (generator_dead): what
@@ -369,10 +389,23 @@ class GeneratorService:
                         behaviour_logprobs=done.behaviour_logprobs, policy_versions=versions,
                         min_policy_version=int(versions.min()), max_policy_version=int(versions.max()),
                         finish_reason=done.finish_reason, queue_s=done.queue_s, decode_s=done.decode_s,
-                        finished_wall_s=time.time(), eval=self._sent_eval(done.group_id, 1))
+                        finished_wall_s=time.time(), eval=self._sent_eval(done.group_id, 1),
+                        **self.episode_fields(done))
         await self.client.send(msg)
         self.samples_sent += 1
         self.tokens_sent += len(done.completion_ids)
+
+    def episode_fields(self, done: Any) -> dict[str, Any]:
+        """Rollout.loss_mask / env_reward / num_turns of a multi-turn episode, from the Finished attributes
+        of the same names where the episode loop sets them (single-turn: none, the defaults)."""
+        fields: dict[str, Any] = {}
+        if getattr(done, "loss_mask", None) is not None:
+            fields["loss_mask"] = self.torch.as_tensor(done.loss_mask).to(self.torch.uint8)
+        if getattr(done, "env_reward", None) is not None:
+            fields["env_reward"] = float(done.env_reward)
+        if getattr(done, "num_turns", None) is not None:
+            fields["num_turns"] = int(done.num_turns)
+        return fields
 
     # ------------------------------------------------------------------------------------ receive
 
@@ -405,6 +438,8 @@ class GeneratorService:
                 await (self.on_drafter_chunk(msg) if msg.model == "drafter" else self.on_chunk(msg))
             elif isinstance(msg, m.WeightsFetch):
                 await self.client.send(self.serve_drafter(msg))
+            elif isinstance(msg, m.EnvObservation | m.EnvError):
+                self.env.on_message(msg)  # an episode's answer: its reset/step call wakes up
             elif isinstance(msg, m.Shutdown):
                 self.state.shutdown = msg.reason or "trainer shut down"
                 self.wakeup.set()
