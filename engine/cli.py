@@ -8,6 +8,7 @@
     tailrace eval --checkpoint DIR [--config FILE] [--fn module:function] [--json] [--section.name VALUE ...]
     tailrace config [--config FILE] [--section.name VALUE ...]   every setting, resolved, with its default
     tailrace samples RUN_DIR [--step N] [--last K] [--json]      completions of a run's steps as text
+    tailrace plan --model DIR_OR_CONFIG [--ranks W] [--tokens N] [--device-gb G] [--json]   per-rank memory
     tailrace --version
 
 Parsing happens here, before any heavy import (torch, transformers): each role's `main` imports
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 OVERRIDES_HELP = ("settings override the config file as dotted names, e.g. --train.lr 1e-4 "
                   "--sampling.group_size 8 (docs/configuration.md lists them)")
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tailrace {_version()}")
     sub = parser.add_subparsers(dest="role", required=True,
-                                metavar="{run,trainer,generator,reward,eval,config,samples}")
+                                metavar="{run,trainer,generator,reward,env,eval,config,samples,plan}")
 
     run = sub.add_parser("run", help="trainer, generators and a reward server on this machine", epilog=SETTINGS_EPILOG,
                          description="Start a trainer, launch.num_generators generators and a reward "
@@ -97,6 +99,20 @@ def _parser() -> argparse.ArgumentParser:
     reward.add_argument("--timeout-s", type=float, default=30.0, help="per-request time limit")
     _peer_arguments(reward)
 
+    env = sub.add_parser("env", help="serve a Python environment class (multi-turn episodes)",
+                         description="Run `module:Class` as an environment server attached to a trainer: one "
+                         "instance per episode, reset(prompt, metadata) then step(action) per assistant turn, "
+                         "each returning an observation (docs/environments.md).")
+    env.add_argument("env", metavar="MODULE:CLASS", help="e.g. examples.multiturn.reverse_chain:ReverseChain")
+    env.add_argument("--connect", required=True, help="trainer address, e.g. tcp://127.0.0.1:5555")
+    env.add_argument("--tasks", default="", help="comma-separated task names it serves (default: the class's "
+                     "`tasks` attribute if it has one, else all)")
+    env.add_argument("--name", default="", help="unique name in the run (default: env-<host>-<pid>)")
+    env.add_argument("--max-concurrency", type=int, default=16, help="resets and steps served at once")
+    env.add_argument("--max-episodes", type=int, default=1024, help="episodes open at once")
+    env.add_argument("--timeout-s", type=float, default=60.0, help="per-request time limit")
+    _peer_arguments(env)
+
     evaluate = sub.add_parser("eval", help="evaluate a saved checkpoint: greedy accuracy, mean reward, pass@k",
                               epilog=SETTINGS_EPILOG, description="Load a checkpoint folder, sample the eval "
                               "prompts (eval.source, eval.num_prompts: one greedy sample and eval.n at "
@@ -127,8 +143,42 @@ def _parser() -> argparse.ArgumentParser:
     samples.add_argument("--last", type=int, default=1, metavar="K",
                          help="the samples of the last K steps written (default 1)")
     samples.add_argument("--json", action="store_true", help="one JSON object per sample, as in samples.jsonl")
+    _plan_parser(sub)
     parser.set_defaults(role_parsers=sub.choices)  # for a role's own usage on a bad flag
     return parser
+
+
+def _plan_parser(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="predict a training step's per-rank peak memory from a model's config",
+                          description="Predict each rank's peak memory in a training step from a model's config "
+                          "alone (built on the meta device: nothing downloaded or allocated): sharded weights, "
+                          "AdamW moments, gradients, gathered parameters per residency (layer: one decoder layer "
+                          "at a time; full: the whole model for the step), activations of a micro-batch of "
+                          "--tokens with and without activation checkpointing, the LM head's chunk; and the most "
+                          "tokens per micro-batch that fit in --device-gb. docs/scaling.md, Memory plan.")
+    plan.add_argument("--model", required=True, help="checkpoint folder or config.json (e.g. "
+                      "examples/configs/qwen2.5-7b); only the config is read")
+    plan.add_argument("--ranks", type=int, default=1, help="trainer ranks, FSDP2-sharded (default 1)")
+    plan.add_argument("--tokens", type=int, default=4096,
+                      help="padded tokens per micro-batch on each rank, train.micro_batch_tokens (default 4096)")
+    plan.add_argument("--residency", choices=("layer", "full"), default=None,
+                      help="train.fsdp.step_residency to show (default: both)")
+    plan.add_argument("--param-dtype", default="float32",
+                      help="model.dtype: master weights, gradients, AdamW moments (default float32)")
+    plan.add_argument("--compute-dtype", default="bfloat16", help="gathered weights and activations, "
+                      "train.fsdp.mixed_precision: bfloat16 (bf16, CUDA's auto) or the param dtype (off)")
+    plan.add_argument("--cpu-offload", action="store_true", help="train.fsdp.cpu_offload")
+    plan.add_argument("--lora-r", type=int, default=0, help="model.lora.r: > 0 trains only the adapters")
+    plan.add_argument("--lora-targets", default="q_proj,v_proj", help="model.lora.target_modules, comma-separated")
+    plan.add_argument("--logprob-chunk-tokens", type=int, default=1024, help="train.logprob_chunk_tokens")
+    plan.add_argument("--row-tokens", type=int, default=0, help="rows padded to this many tokens: a padding "
+                      "mask, which SDPA keeps per layer, and repeated KV heads; 0 (default): no padding")
+    plan.add_argument("--logits-impl", choices=("triton", "torch"), default="triton",
+                      help="the LM head's kernels: triton (CUDA, default) or torch (CPU)")
+    plan.add_argument("--device-gb", type=float, default=80.0, help="memory per device, GB (default 80)")
+    plan.add_argument("--reserve-gb", type=float, default=4.0, help="of it kept for the CUDA context, NCCL and "
+                      "allocator fragmentation, which the plan does not model (default 4)")
+    plan.add_argument("--json", action="store_true", help="the plan as one JSON object")
 
 
 def _set_title(role: str) -> None:
@@ -158,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     role_parser = args.role_parsers[args.role]
-    if args.role == "samples" and overrides:
+    if args.role in ("samples", "plan", "env") and overrides:
         role_parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.role == "reward" and args.fn and overrides:
         role_parser.error(f"unrecognized arguments: {' '.join(overrides)} (settings go with reward.functions, not --fn)")
@@ -185,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             from tailrace.engine.eval.main import main as role_main
         elif args.role == "samples":
             from tailrace.engine.trainer.sample_log import main as role_main
+        elif args.role == "plan":
+            from tailrace.engine.trainer.plan import main as role_main
+        elif args.role == "env":
+            from tailrace.protocol.env_sdk import run_args
+
+            return run_args(args)
         elif args.role == "config":
             from tailrace.engine.config import commented_toml, load_config
 

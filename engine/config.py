@@ -198,7 +198,7 @@ class TrainConfig:
     ppo_epochs: int = 1  # passes over each step's batch (TRL num_iterations); > 1: the clip acts against the policy at the start of the step
     minibatches: int = 1  # optimizer updates per pass: the step's groups split into this many parts, whole groups each
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long contexts), every train.replay mode
-    replay: str = "auto"  # auto | naive | replay | packed: shared-prefix training mode (engine/replay)
+    replay: str = "auto"  # auto | naive | replay | packed | layer_major: shared-prefix training mode (engine/replay; layer_major: docs/scaling.md)
     early_backward: bool = True  # a step's complete groups run their forward/backward while the rest generate; false: a batch barrier
     seed: int = 0  # torch / numpy / python seeds of the trainer
     dpo_beta: float = 0.1  # dpo: scale of the log-ratio margin to the frozen reference (the initial policy)
@@ -208,7 +208,7 @@ class TrainConfig:
         _check(self.algorithm in ("grpo", "dpo"), "train.algorithm", f"{self.algorithm!r} is not one of grpo, dpo")
         _check(self.dpo_beta > 0, "train.dpo_beta", "must be > 0")
         _check(self.algorithm != "dpo" or self.replay != "naive", "train.replay",
-               "dpo runs on the shared-prefix modes: auto, replay or packed, not naive")
+               "dpo runs on the shared-prefix modes: auto, replay, packed or layer_major, not naive")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.groups_per_step >= 1, "train.groups_per_step", "must be >= 1")
         _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", "must be finite and > 0")
@@ -225,8 +225,8 @@ class TrainConfig:
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         _check(self.loss_agg in ("token_mean", "sample_mean"), "train.loss_agg",
                f"{self.loss_agg!r} is not one of token_mean, sample_mean")
-        _check(self.replay in ("auto", "naive", "replay", "packed"), "train.replay",
-               f"{self.replay!r} is not one of auto, naive, replay, packed")
+        _check(self.replay in ("auto", "naive", "replay", "packed", "layer_major"), "train.replay",
+               f"{self.replay!r} is not one of auto, naive, replay, packed, layer_major")
         _check(self.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
         _check(self.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
         _check(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")

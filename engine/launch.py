@@ -3,11 +3,13 @@ processes on this machine over loopback, supervised, with progress bars. The rew
 built-in tasks' functions (only those tasks), or the weighted sum of reward.functions when they are set;
 with reward.mode = "servers" and no reward.functions it is not started. Where nothing started scores
 data.task (reward.mode = "servers", or a task without a built-in function, and no reward function given),
-the launcher prints the line that attaches the user's own. The trainer is told how many generators come
-(trainer.expected_generators), so that it says it waits for them while they load.
+the launcher prints the line that attaches the user's own. With env.server set (multi-turn episodes,
+docs/environments.md) it also starts that environment class as an environment server (`tailrace env`, named
+env-0), imported from the working directory as reward.functions are. The trainer is told how many generators
+come (trainer.expected_generators), so that it says it waits for them while they load.
 
     supervisor loop  polls the children every 0.2 s: the trainer exiting ends the run; a crashed
-                     generator or reward server stops the run (SIGINT to the trainer, which
+                     generator, reward or environment server stops the run (SIGINT to the trainer, which
                      checkpoints and shuts its peers down) or is restarted, by launch.on_child_crash
     progress loop    a read-only tool connection on the trainer's notice socket renders Stats as bars
     stop signals     SIGINT (Ctrl-C), SIGTERM (kill, timeout, Slurm, systemd) and SIGHUP are forwarded,
@@ -246,6 +248,10 @@ class Launcher:
                 serves = ["--fn", BUILTIN_REWARD]
             argv = self.cli("reward", "--connect", address, *serves, "--name", "reward-0", *self.key_args("reward-0"))
             self.children.append(Child("reward-0", argv, logs / "reward-0.log"))
+        if self.cfg.env.server:  # multi-turn episodes: the run serves its own environment
+            argv = self.cli("env", self.cfg.env.server, "--connect", address, "--name", "env-0",
+                            "--timeout-s", str(self.cfg.env.timeout_s), *self.key_args("env-0"))
+            self.children.append(Child("env-0", argv, logs / "env-0.log"))
         for child in self.children[1:]:
             child.start(self.env, self.pass_fds)
 
@@ -267,6 +273,8 @@ class Launcher:
         builtin = task in REWARD_FNS
         if cfg.mode == "builtin" or self.reward is not None:
             return False
+        if self.cfg.env.server and self.cfg.env.max_turns > 1:  # its environment rewards the episodes (one
+            return False  # that gives no reward needs a reward server too: docs/environments.md)
         if self.starts_reward_server() and (cfg.functions or builtin):
             return False
         return cfg.mode == "servers" or bool(cfg.functions) or not builtin
@@ -462,6 +470,10 @@ def _prepare(args: Any, overrides: list[str]) -> Prepared:
     checks.check_prompts(cfg)
     if cfg.reward.functions and cfg.launch.reward_server:  # one line now, not a reward server's crash later
         reward_fns.components(cfg.reward.functions)
+    if cfg.env.server:  # likewise for the environment class
+        from tailrace.protocol.env_sdk import load_class
+
+        load_class(cfg.env.server, "env.server")
     return Prepared(cfg, False, resumed)
 
 
@@ -480,7 +492,8 @@ def _say_started(launcher: Launcher, endpoint: dict[str, Any]) -> None:
     for warning in endpoint.get("warnings", []):
         print(f"tailrace run: warning: {warning}", file=sys.stderr)
     print(f"tailrace run: trainer at {address}; starting {cfg.launch.num_generators} generators"
-          + (" and a reward server" if launcher.starts_reward_server() else ""))
+          + (" and a reward server" if launcher.starts_reward_server() else "")
+          + (f" and an environment server ({cfg.env.server})" if cfg.env.server else ""))
     if launcher.needs_reward_server():  # else the started server or the built-in functions score data.task
         print(launcher.attach_hint(address), flush=True)
 
@@ -576,7 +589,7 @@ def _set_up(cfg: RunConfig, run_dir: Path, *, resume: bool, progress: bool, rewa
     keys = None
     if cfg.trainer.curve_secret_key_file:
         clients = {f"gen-{i}": "generator" for i in range(cfg.launch.num_generators)}
-        clients |= {"reward-0": "reward", "run-progress": "tool"}
+        clients |= {"reward-0": "reward", "run-progress": "tool"} | ({"env-0": "env"} if cfg.env.server else {})
         keys = CurveKeys(cfg.trainer, run_dir / "keys", clients)
         cfg.trainer.curve_clients_file = str(keys.allow_list)
     if not cfg.trainer.expected_generators:  # the trainer says it waits for them while they load

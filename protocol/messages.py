@@ -8,6 +8,7 @@ No logic here. Test: pytest tests/protocol/test_codec.py
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from msgspec import Meta, field
@@ -25,13 +26,14 @@ from tailrace.protocol.schema import (
     struct,
 )
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of the wire protocol: the layout (frames, kinds, fields in order, bounds) and the meaning of its
 codes. Any change to either makes a new version, with an entry in protocol/SPEC.md's changelog ("Versions")
 and its layout recorded in tests/protocol/layouts/. Unrelated to the policy version of weights."""
 
-ROLES = ("trainer", "generator", "reward", "tool")
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+ROLES = ("trainer", "generator", "reward", "tool", "env")
+ENV_REASONS = ("env_error", "env_timeout", "env_dead", "no_env_server")  # why an episode's request failed
+FINISH_REASONS = ("stop", "length", "cancelled", "error", *ENV_REASONS)  # an episode its environment failed: why
 MODELS = ("policy", "drafter")
 TRANSPORTS = ("chunks", "broadcast")  # how a WeightsNotice's version travels
 BROADCAST_BACKENDS = ("", "gloo", "nccl")  # torch.distributed backends of a broadcast ("": chunks)
@@ -50,6 +52,9 @@ LongText = Annotated[str, Meta(max_length=4096)]
 Code = Annotated[int, Meta(ge=0, le=65535)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 IntTokens = Annotated[Array, TensorSpec(dtypes=("int32", "int64"), ndim=1, max_len=MAX_TOKENS)]
+MAX_TURNS = 1024
+"""Upper bound on WorkItem.max_turns and Rollout.num_turns."""
+EnvText = Annotated[str, Meta(max_length=1 << 22)]  # a prompt, an assistant turn or an observation
 
 
 class ErrorCode:
@@ -100,8 +105,12 @@ class WorkItem(WireStruct):
     (the trainer admits work for version V + 1 while it copies V + 1's weights for publishing): a generator
     holds such an item until it has loaded that version.
 
+    max_turns > 1: each sample is an episode with an environment server of its task (SPEC.md,
+    "Environment servers"): the generator asks for a first observation (EnvReset), then after each assistant
+    turn for the next (EnvStep), appends it and decodes on, for at most max_turns assistant turns.
+
     Example: WorkItem(group_id=12, prompt_token_ids=[1, 57, 33], num_samples=8, first_sample_id=0,
-    sampling=SamplingParams(), task="copy", min_policy_version=3, eval=False)
+    sampling=SamplingParams(), task="copy", min_policy_version=3, eval=False, max_turns=1)
     """
 
     group_id: UInt
@@ -112,6 +121,7 @@ class WorkItem(WireStruct):
     task: Annotated[str, Meta(max_length=256)] = ""
     min_policy_version: UInt = 0  # do not sample with weights older than this
     eval: bool = False  # evaluation work: scored and reported, never trained; its Rollouts say eval too
+    max_turns: Annotated[int, Meta(ge=1, le=MAX_TURNS)] = 1  # assistant turns per episode; 1 = single-turn
 
 
 # ---------------------------------------------------------------------------------------- handshake
@@ -242,6 +252,14 @@ class Rollout(WireStruct):
     oldest and newest of those. Times are seconds: queue_s (waiting before the first token), decode_s
     (first to last token), finished_wall_s (wall clock, Unix epoch, at the finish).
 
+    A multi-turn episode (WorkItem.max_turns > 1): the completion is every turn after the prompt, the
+    assistant's and the environment's observations alike. loss_mask: uint8 [T], 1 for the assistant's
+    tokens, 0 for observation tokens (never trained; their behaviour_logprobs are 0, their policy_versions
+    the version the generator held when it appended them); nil: all 1. env_reward: the sum of the rewards the
+    environment gave, the sample's reward when not nil (no reward server is asked); num_turns: assistant
+    turns taken. An episode whose environment failed ends with finish_reason its EnvError's reason
+    (env_error, env_timeout, env_dead, no_env_server): the trainer discards it under that reason.
+
     Example: Rollout(group_id=12, sample_id=3, prompt_token_ids=int32[3], completion_token_ids=int32[5],
     behaviour_logprobs=float32[5], policy_versions=int32[5], min_policy_version=4, max_policy_version=5,
     finish_reason="stop", queue_s=0.01, decode_s=0.2, finished_wall_s=1795000000.0)
@@ -260,6 +278,9 @@ class Rollout(WireStruct):
     decode_s: Seconds = 0.0
     finished_wall_s: Seconds = 0.0
     eval: bool = False  # the sample answers a WorkItem with eval set (the trainer checks it)
+    loss_mask: Annotated[Array, TensorSpec(dtypes=("uint8",), ndim=1, max_len=MAX_TOKENS)] | None = None
+    env_reward: float | None = None  # the sum of the environment's rewards (None: it gave none)
+    num_turns: Annotated[int, Meta(ge=0, le=MAX_TURNS)] = 1  # assistant turns in the episode
 
     def __post_init__(self):
         num = self.completion_token_ids.shape[0]
@@ -268,6 +289,8 @@ class Rollout(WireStruct):
                 f"completion_token_ids has {num} tokens but behaviour_logprobs has "
                 f"{self.behaviour_logprobs.shape[0]} and policy_versions {self.policy_versions.shape[0]}"
             )
+        if self.loss_mask is not None and self.loss_mask.shape[0] != num:
+            raise ValueError(f"completion_token_ids has {num} tokens but loss_mask has {self.loss_mask.shape[0]}")
         if self.min_policy_version > self.max_policy_version:
             raise ValueError("min_policy_version is greater than max_policy_version")
 
@@ -319,6 +342,100 @@ class ScoreError(WireStruct):
     request_id: UInt
     code: Code
     text: LongText
+
+
+# ---------------------------------------------------------------------------------------- environments
+
+
+@message(70)
+class EnvReset(WireStruct):
+    """Start an episode: generator -> trainer, which forwards it to one environment server of `task` (its
+    own request_id and episode_id), and answers the generator with EnvObservation (the first observation)
+    or EnvError. request_id: echoed back, unique per sender session; episode_id: chosen by the sender,
+    names the episode in its EnvStep and EnvClose. group_id / sample_id: the sample the episode is (all
+    samples of a group face the same prompt). task, prompt (the prompt's text) and metadata (the data row's
+    scalars, as in ScoreRequest): the trainer fills them in from the prompt it handed out under group_id, so
+    a generator may leave prompt and metadata empty. timeout_s: the budget for the answer, in seconds from
+    when the receiver gets it; 0 = no limit but the receiver's own.
+
+    Example: EnvReset(request_id=5, episode_id=9, group_id=12, sample_id=3, task="guess",
+    prompt="Guess my number (1-100).", metadata={"secret": 37}, timeout_s=30.0)
+    """
+
+    request_id: UInt
+    episode_id: UInt
+    group_id: UInt
+    sample_id: Annotated[int, Meta(ge=0, le=1 << 20)]
+    task: Annotated[str, Meta(max_length=256)]
+    prompt: EnvText
+    metadata: Annotated[dict[Key, Scalar], Meta(max_length=256)] = field(default_factory=dict)
+    timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 30.0
+
+
+@message(71)
+class EnvStep(WireStruct):
+    """The assistant's turn in an open episode (its decoded text), answered like EnvReset.
+
+    Example: EnvStep(request_id=6, episode_id=9, action="50", timeout_s=30.0)
+    """
+
+    request_id: UInt
+    episode_id: UInt
+    action: EnvText
+    timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 30.0
+
+
+@message(72)
+class EnvObservation(WireStruct):
+    """The answer to EnvReset or EnvStep. text: the environment's turn, appended with the chat template;
+    token_ids: when not nil, appended verbatim instead. done: the episode is over (text then is not
+    appended). reward: a finite reward for this turn, or nil; the sample's reward is the sum of them.
+    info: scalars for logs.
+
+    Example: EnvObservation(request_id=6, episode_id=9, text="lower", token_ids=None, done=False,
+    reward=None, info={"guesses": 1})
+    """
+
+    request_id: UInt
+    episode_id: UInt
+    text: EnvText = ""
+    token_ids: Annotated[list[TokenId], Meta(max_length=1 << 16)] | None = None
+    done: bool = False
+    reward: float | None = None
+    info: Annotated[dict[Key, Scalar], Meta(max_length=256)] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError(f"reward must be finite, got {self.reward}")
+
+
+@message(73)
+class EnvError(WireStruct):
+    """EnvReset or EnvStep failed; the episode is over. code: see ErrorCode (from an environment server:
+    500 the environment raised, 504 it ran past timeout_s, 406 over capacity, 407 task not served or no
+    such episode, 401 a bad observation). reason (one of ENV_REASONS), which the generator discards the
+    sample under: env_error, env_timeout, env_dead (the environment server died or left mid-episode),
+    no_env_server (none attached for the task within env.wait_for_server_s).
+
+    Example: EnvError(request_id=6, episode_id=9, code=504, text="step timed out after 30 s",
+    reason="env_timeout")
+    """
+
+    request_id: UInt
+    episode_id: UInt
+    code: Code
+    text: LongText
+    reason: Literal[ENV_REASONS] = "env_error"
+
+
+@message(74)
+class EnvClose(WireStruct):
+    """The episode is over (done, turn or token budget, cancelled, failed): forget it. Not answered.
+
+    Example: EnvClose(episode_id=9)
+    """
+
+    episode_id: UInt
 
 
 # ---------------------------------------------------------------------------------------- weights

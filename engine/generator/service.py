@@ -2,7 +2,8 @@
 finished sample at once, and takes new weights between decode steps.
 
     recv loop   consumes Work / Cancel / WeightsNotice / WeightsChunk / Shutdown / Error from the trainer
-                into GenState (bounded: work only arrives as answers to our own WorkRequests)
+                into GenState (bounded: work only arrives as answers to our own WorkRequests); EnvObservation /
+                EnvError go to the environment client (env_client.py), which episodes wait on
     session     one Hello and these loops; a session the trainer declared dead while we were alive (a
                 frozen process) ends with its work dropped, and a new session starts (drop_session)
     main loop   decide(GenState) -> one Action, then act: shutdown > swap weights > admit work >
@@ -184,7 +185,15 @@ class GeneratorService:
         self.samples_dropped = 0  # samples of such sessions, dropped (the trainer handed them out again)
         self.started_s = time.monotonic()
         self.spans = SpanBuffer("generator", self.name, enabled=cfg.metrics.spans)
-        self.episodes = None if environment is None else self._episodes(environment)
+        from tailrace.engine.generator.env_client import ProtocolEnvironment
+
+        # Multi-turn episodes (env.max_turns > 1): environment servers, reached through the trainer.
+        self.env = ProtocolEnvironment(self.send_env, timeout_s=cfg.env.timeout_s,
+                                       wait_for_server_s=cfg.env.wait_for_server_s,
+                                       vocab_size=self.backend.vocab_size)
+        # The episode loop runs WorkItems with max_turns > 1 on it (or on `environment`, an in-process one).
+        multi_turn = environment is not None or cfg.env.max_turns > 1
+        self.episodes = self._episodes(environment or self.env) if multi_turn else None
         self.ended: list = []  # episode samples that ended between steps (refresh), to send
 
     def _episodes(self, environment: Any) -> Any:
@@ -247,10 +256,23 @@ class GeneratorService:
                     raise
                 self.state.shutdown = self.client.shutdown_reason or "trainer shut down"
             finally:
+                self.env.fail_all("env_dead", "the session with the trainer ended")  # no episode waits on it
                 for task in (recv, stats, *self.receive_tasks):
                     task.cancel()
                 await asyncio.gather(recv, stats, *self.receive_tasks, return_exceptions=True)
         return self.state.shutdown or ""
+
+    async def send_env(self, msg: m.EnvReset | m.EnvStep | m.EnvClose) -> None:
+        """The environment client's way to the trainer: this session's connection."""
+        from tailrace.engine.generator.environment import EnvironmentError
+        from tailrace.protocol.transport import ConnectionLost
+
+        if self.client is None:
+            raise EnvironmentError("env_dead", "no session with the trainer")
+        try:
+            await self.client.send(msg)
+        except ConnectionLost as exc:
+            raise EnvironmentError("env_dead", f"the session with the trainer ended: {exc}") from None
 
     def drop_session(self, lost: Exception) -> None:
         """The trainer declared our session dead and handed its samples out again (generator_dead): what
@@ -404,12 +426,9 @@ class GeneratorService:
         torch = self.torch
         versions = done.policy_versions.to(torch.int32)
         reason = done.finish_reason
-        if reason not in m.FINISH_REASONS:  # an environment's discard reason the protocol cannot carry yet
+        if reason not in m.FINISH_REASONS:  # never from this generator's loop; a guard for the wire
             log.warning("group %d sample %d ended: %s (sent as \"error\")", done.group_id, done.sample_id, reason)
             reason = "error"
-        episode = {}
-        if done.loss_mask is not None and "loss_mask" in m.Rollout.__struct_fields__:  # the protocol's, #33
-            episode = dict(loss_mask=done.loss_mask, env_reward=done.env_reward, num_turns=done.num_turns)
         # An episode can end before its first token (its reset failed): the loaded version then.
         low, high = (int(versions.min()), int(versions.max())) if len(versions) else (self.backend.policy_version,) * 2
         msg = m.Rollout(group_id=done.group_id, sample_id=done.sample_id,
@@ -418,10 +437,22 @@ class GeneratorService:
                         behaviour_logprobs=done.behaviour_logprobs, policy_versions=versions,
                         min_policy_version=low, max_policy_version=high, finish_reason=reason,
                         queue_s=done.queue_s, decode_s=done.decode_s, finished_wall_s=time.time(),
-                        eval=self._sent_eval(done.group_id, 1), **episode)
+                        eval=self._sent_eval(done.group_id, 1), **self.episode_fields(done))
         await self.client.send(msg)
         self.samples_sent += 1
         self.tokens_sent += len(done.completion_ids)
+
+    def episode_fields(self, done: Any) -> dict[str, Any]:
+        """Rollout.loss_mask / env_reward / num_turns of a multi-turn episode, from the Finished attributes
+        of the same names where the episode loop sets them (single-turn: none, the defaults)."""
+        fields: dict[str, Any] = {}
+        if getattr(done, "loss_mask", None) is not None:
+            fields["loss_mask"] = self.torch.as_tensor(done.loss_mask).to(self.torch.uint8)
+        if getattr(done, "env_reward", None) is not None:
+            fields["env_reward"] = float(done.env_reward)
+        if getattr(done, "num_turns", None) is not None:
+            fields["num_turns"] = int(done.num_turns)
+        return fields
 
     # ------------------------------------------------------------------------------------ receive
 
@@ -454,6 +485,8 @@ class GeneratorService:
                 await (self.on_drafter_chunk(msg) if msg.model == "drafter" else self.on_chunk(msg))
             elif isinstance(msg, m.WeightsFetch):
                 await self.client.send(self.serve_drafter(msg))
+            elif isinstance(msg, m.EnvObservation | m.EnvError):
+                self.env.on_message(msg)  # an episode's answer: its reset/step call wakes up
             elif isinstance(msg, m.Shutdown):
                 self.state.shutdown = msg.reason or "trainer shut down"
                 self.wakeup.set()

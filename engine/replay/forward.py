@@ -147,9 +147,12 @@ def _qkv(spec: DecoderSpec, attn: nn.Module, x_LD: torch.Tensor, cos: torch.Tens
     return q, k, v
 
 
-def _layer(spec: DecoderSpec, i: int, h_LD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend):
+def decoder_layer(spec: DecoderSpec, i: int, h_LD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+                  *, as_forward: bool = True):
     """One decoder layer; attend(i, q, k, v) -> [H, L, hd] supplies the attention pattern.
-    Returns the new hidden state and this layer's keys/values (for descendants)."""
+    Returns the new hidden state and this layer's keys/values (for descendants). as_forward: run as the
+    layer's forward (models.run_as_forward: FSDP2's hooks, activation checkpointing); False calls the
+    submodules directly (layer_major.py's forward pass, which unshards the layer itself)."""
     layer = spec.decoder.layers[i]
 
     def body(h_LD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -160,7 +163,7 @@ def _layer(spec: DecoderSpec, i: int, h_LD: torch.Tensor, cos: torch.Tensor, sin
         h_LD = h_LD + layer.mlp(layer.post_attention_layernorm(h_LD))
         return h_LD, k, v
 
-    return run_as_forward(layer, body, h_LD, cos, sin)
+    return run_as_forward(layer, body, h_LD, cos, sin) if as_forward else body(h_LD, cos, sin)
 
 
 def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor,
@@ -192,7 +195,7 @@ def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tenso
         cos, sin = rope(spec, h, depth_N)
         keys, values = [], []
         for i in range(spec.num_layers):
-            h, k, v = _layer(spec, i, h, cos, sin, attend)
+            h, k, v = decoder_layer(spec, i, h, cos, sin, attend)
             keys.append(k)
             values.append(v)
         return spec.decoder.norm(h), keys, values

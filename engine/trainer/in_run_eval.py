@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tailrace.engine.core.samples import PromptRecord
 from tailrace.engine.eval.suite import EvalResults, PromptOutcome, eval_prompts, eval_requests
 from tailrace.engine.trainer.controller import GroupState
-from tailrace.engine.trainer.intake import rollout_problem
+from tailrace.engine.trainer.intake import max_completion_tokens, rollout_problem
 from tailrace.engine.trainer.scoring import ScoringFailed
 from tailrace.protocol import messages as m
 
@@ -148,7 +148,13 @@ class Evaluator:
         p = group.state.prompt
         return m.WorkItem(group_id=group.state.group_id, prompt_token_ids=p.token_ids, num_samples=num,
                           first_sample_id=first, sampling=group.sampling, task=p.task,
-                          min_policy_version=group.state.admitted_version, eval=True)
+                          min_policy_version=group.state.admitted_version, eval=True,
+                          max_turns=self.cfg.env.max_turns)
+
+    def group_state(self, group_id: int) -> GroupState | None:
+        """The GroupState of an evaluation group handed out, or None."""
+        group = self.groups.get(group_id)
+        return group.state if group is not None else None
 
     # ------------------------------------------------------------------------------------ work and rollouts
 
@@ -174,7 +180,7 @@ class Evaluator:
             self.counters["rollouts_dropped/eval_not_assigned"] += 1
             return
         group.returned.add(msg.sample_id)
-        problem = rollout_problem(group.state, msg, svc.vocab_size, self.cfg.sampling.max_new_tokens)
+        problem = rollout_problem(group.state, msg, svc.vocab_size, max_completion_tokens(self.cfg))
         if problem is not None and problem[0] != "empty_completion":  # an empty answer is an answer: scored
             log.warning("eval rollout %d/%d from %s failed: %s", msg.group_id, msg.sample_id, peer.name, problem[1])
             return self._record(group, None)
@@ -185,7 +191,10 @@ class Evaluator:
         completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
         assert svc.rewards is not None  # set before the service serves, so before any rollout
         try:
-            reward, _ = await svc.rewards.score_with_details(prompt.task, prompt.text, completion, prompt.metadata)
+            if msg.env_reward is not None:  # an episode's environment rewards, as in training
+                reward = msg.env_reward
+            else:
+                reward, _ = await svc.rewards.score_with_details(prompt.task, prompt.text, completion, prompt.metadata)
         except ScoringFailed as exc:
             log.warning("eval sample of prompt %d not scored: %s", prompt.prompt_id, exc)
             reward = None

@@ -79,7 +79,8 @@ class MicroBatch:
     """Right-padded rows plus, for each loss row, where its predicting hidden state is.
 
     A row holds prompt + completion[:-1]: the last completion token is a label only. Loss row n is the
-    completion token pos_N[n] of samples[sample_idx_N[n]], predicted by hidden state (row_N, col_N).
+    completion token pos_N[n] of samples[sample_idx_N[n]], predicted by hidden state (row_N, col_N); only
+    loss tokens have one (a multi-turn sample's observation tokens are inputs, never labels).
     """
 
     input_ids_BL: torch.Tensor
@@ -121,11 +122,11 @@ def collate(samples: Sequence[TrainSample], indices: Sequence[int], device: torc
         s = samples[i]
         input_ids[b, : row.numel()] = row
         mask[b, : row.numel()] = 1
-        t = s.num_completion_tokens
-        pos = torch.arange(t, dtype=torch.int64)
+        pos = s.loss_positions
+        t = pos.numel()
         fields["row"].append(torch.full((t,), b, dtype=torch.int64))
         fields["col"].append(pos + (s.num_prompt_tokens - 1))
-        fields["labels"].append(s.completion_ids)
+        fields["labels"].append(s.completion_ids[pos])
         fields["temp"].append(torch.full((t,), s.temperature, dtype=torch.float64))
         fields["sample"].append(torch.full((t,), i, dtype=torch.int64))
         fields["pos"].append(pos)
@@ -162,7 +163,8 @@ def forward_logprobs(
 @torch.no_grad()
 def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_batch_tokens: int,
                     chunk_rows: int) -> list[torch.Tensor]:
-    """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy)."""
+    """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy);
+    0.0 at observation tokens (loss_mask False), which get no loss row."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     lengths = [s.num_tokens - 1 for s in samples]
@@ -170,8 +172,10 @@ def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_b
         mb = collate(samples, indices, device)
         logp_N, _ = forward_logprobs(model, mb, chunk_rows=chunk_rows)
         logp_N = logp_N.cpu()
+        sample_idx = mb.sample_idx_N.cpu()
         for i in indices:
-            out[i] = logp_N[mb.sample_idx_N.cpu() == i]
+            out[i] = torch.zeros(samples[i].num_completion_tokens, dtype=logp_N.dtype)
+            out[i][mb.pos_N.cpu()[sample_idx == i]] = logp_N[sample_idx == i]
     return out
 
 
@@ -179,7 +183,8 @@ def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_b
 
 
 class ForwardBackward(Protocol):
-    """Runs forward and backward for every completion token of `samples` (logically) exactly once.
+    """Runs forward and backward for every loss token of `samples` (logically) exactly once: every completion
+    token but a multi-turn sample's observation tokens (loss_mask False), which are inputs only.
 
     Calls loss_fn(logp_N, sample_idx_N, pos_N, normaliser, entropy_N=...) on the rows it computes and
     backpropagates the returned losses; gradients accumulate into .grad (the learner zeroes and steps).
@@ -411,7 +416,9 @@ class Learner:
                 with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
                     if first and len(parts) > 1:
                         prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
-                    if mine[i]:
+                    if not mine[i] and self.config.replay == "layer_major":
+                        self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
+                    elif mine[i]:
                         loss_fn = StepLoss(mine[i], self.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
                         if first and self.config.ppo_epochs > 1:
                             loss_fn = ppo.RecordingLoss(loss_fn)
@@ -442,7 +449,9 @@ class Learner:
         stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
         ref_logprobs = self._ref_logprobs(mine)
         with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-            if mine:
+            if not mine and self.config.replay == "layer_major":
+                self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
+            elif mine:
                 loss_fn = StepLoss(mine, self.loss, ref_logprobs=ref_logprobs)
                 add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
             dist.reduce_gradients(self.model, self._zero_weight_loss)

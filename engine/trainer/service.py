@@ -61,7 +61,7 @@ from tailrace.engine.trainer.broadcaster import Broadcaster, make_broadcaster, w
 from tailrace.engine.trainer.controller import Controller, GroupState
 from tailrace.engine.trainer.drafters import DrafterRelay
 from tailrace.engine.trainer.in_run_eval import Evaluator
-from tailrace.engine.trainer.intake import rollout_problem, to_group
+from tailrace.engine.trainer.intake import max_completion_tokens, rollout_problem, to_group
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.reward_signal import NoSignalWatch
 from tailrace.engine.trainer.runs import keep_metrics_up_to, make_run_dir
@@ -160,6 +160,7 @@ class TrainerService:
         self.checkpoints_failed = 0  # periodic checkpoints in a row that could not be written (writes.py)
         self.server: Any = None
         self.rewards: RewardDispatcher | None = None
+        self.envs: Any = None  # protocol.env_broker.EnvBroker, once serving
         self.scoring: set[asyncio.Task] = set()
         self.started_s = time.monotonic()
         self.waiting_since_s: float | None = None  # when the train loop began waiting for a batch
@@ -233,6 +234,10 @@ class TrainerService:
 
                 router = RewardRouter(self.server)
             self.rewards = RewardDispatcher(self.cfg.reward, router)
+            from tailrace.protocol.env_broker import EnvBroker
+
+            self.envs = EnvBroker(self.server, timeout_s=self.cfg.env.timeout_s,  # episodes: generators <-> env servers
+                                  wait_for_server_s=self.cfg.env.wait_for_server_s, prompt_of=self.prompt_of)
             weights = await asyncio.to_thread(self.learner.state_dict_for_broadcast)  # off the event loop
             notice = self.store.publish("policy", self.learner.policy_version, weights)
             self.broadcaster = make_broadcaster(self.cfg, self.server, self.counters)
@@ -256,6 +261,8 @@ class TrainerService:
                 self.fail("the train loop", exc)
                 raise
             finally:
+                if self.envs is not None:
+                    self.envs.close()  # open episodes fail now, their servers are told
                 await self.shutdown_peers()
                 for task in (*loops, *self.scoring):
                     task.cancel()
@@ -264,6 +271,17 @@ class TrainerService:
         if self.failure is not None:
             raise self.failure
         return summary
+
+    def prompt_of(self, group_id: int) -> tuple[str, str, dict[str, Any]] | None:
+        """(task, text, metadata) of the prompt handed out under group_id (training or evaluation), for the
+        environment broker: an episode starts from the trainer's prompt, never a generator's word for it."""
+        group = self.controller.groups.get(group_id) or self.evaluator.group_state(group_id)
+        if group is None:
+            return None
+        p = group.prompt
+        scalars = {k: v for k, v in p.metadata.items()
+                   if type(k) is str and (v is None or type(v) in (bool, int, float, str))}
+        return p.task, p.text, scalars
 
     def accept(self, hello: m.Hello) -> m.Reject | None:
         if hello.role == "generator":
@@ -418,7 +436,7 @@ class TrainerService:
                                     if self.tokenizer.eos_token_id is not None else [])
         items = [m.WorkItem(group_id=r.group_id, prompt_token_ids=prompt.token_ids, num_samples=r.num_samples,
                             first_sample_id=r.first_sample_id, sampling=sampling, task=prompt.task,
-                            min_policy_version=version)
+                            min_policy_version=version, max_turns=self.cfg.env.max_turns)
                  for prompt, r, version in (decision.items if decision else [])]
         exhausted = decision is not None and decision.exhausted
         if exhausted:  # a step holding fewer groups than a batch may close now that no more can come
@@ -443,7 +461,7 @@ class TrainerService:
             self.counters[f"rollouts_dropped/{reason}"] += 1
             return
         group = self.controller.groups[msg.group_id]
-        problem = rollout_problem(group, msg, self.vocab_size, self.cfg.sampling.max_new_tokens)
+        problem = rollout_problem(group, msg, self.vocab_size, max_completion_tokens(self.cfg))
         handed_out_s = self.controller.on_received(msg.group_id, msg.sample_id)
         self.progress_s = time.monotonic()
         if handed_out_s is not None and problem is None:  # measured here: a peer cannot talk its lease up
@@ -459,16 +477,20 @@ class TrainerService:
         self.spawn_scoring(self.score(group.prompt, msg))
 
     async def score(self, prompt: PromptRecord, msg: m.Rollout) -> None:
-        completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
         try:
-            reward, details = await self.rewards.score_with_details(prompt.task, prompt.text, completion,
-                                                                    prompt.metadata)
+            if msg.env_reward is not None:  # the environment's rewards (checked finite in intake): no server asked
+                reward, details = msg.env_reward, {}
+            else:
+                completion = self.tokenizer.decode(msg.completion_token_ids.tolist(), skip_special_tokens=True)
+                reward, details = await self.rewards.score_with_details(prompt.task, prompt.text, completion,
+                                                                        prompt.metadata)
             temperature = self.cfg.sampling.temperature or 1.0
             sample = TrainSample(group_id=msg.group_id, sample_id=msg.sample_id, prompt_ids=prompt.token_ids,
                                  completion_ids=msg.completion_token_ids.clone(),
                                  behaviour_logprobs=msg.behaviour_logprobs.clone(),
                                  policy_versions=msg.policy_versions.clone(), reward=reward,
-                                 temperature=temperature, finish_reason=msg.finish_reason, reward_details=details)
+                                 temperature=temperature, finish_reason=msg.finish_reason, reward_details=details,
+                                 loss_mask=msg.loss_mask.bool() if msg.loss_mask is not None else None)
         except ScoringFailed as exc:
             self.controller.on_discard(msg.group_id, msg.sample_id, exc.reason)
             self.counters[f"discarded/{exc.reason}"] += 1
@@ -562,6 +584,8 @@ class TrainerService:
         counters["trainer/steps_total"] = self.cfg.train.steps
         counters["trainer/queue/parked_requests"] = len(self.parked)
         counters["trainer/queue/scoring"] = len(self.scoring)
+        if self.envs is not None:
+            counters |= self.envs.stats()
         if self.step_rewards:
             counters["trainer/reward/last"] = self.step_rewards[-1]
             counters["trainer/loss/last"] = self.last_loss

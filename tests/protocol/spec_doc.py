@@ -157,8 +157,10 @@ def table_rows(cls: type) -> list[list[str]]:
 
 
 CROSS_FIELD_CHECKS = {
-    "Rollout": "Also required (else 401): `behaviour_logprobs` and `policy_versions` have as many elements as "
-               "`completion_token_ids`, and `min_policy_version` <= `max_policy_version`.",
+    "EnvObservation": "Also required (else 401): `reward` is nil or finite.",
+    "Rollout": "Also required (else 401): `behaviour_logprobs` and `policy_versions` (and `loss_mask`, when not "
+               "nil) have as many elements as `completion_token_ids`, and `min_policy_version` <= "
+               "`max_policy_version`.",
     "WeightsNotice": "Also required (else 401) when `transport` is \"broadcast\": `broadcast_store`, "
                      "`broadcast_group` and `broadcast_backend` are not empty, 1 <= `broadcast_rank` < "
                      "`broadcast_world_size`, `broadcast_bucket_bytes` >= 1 and `broadcast_timeout_s` > 0.",

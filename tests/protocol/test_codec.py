@@ -21,6 +21,11 @@ import tailrace.protocol.codec as codec
 from tailrace.protocol.codec import INLINE_MAX_BYTES, Limits, ProtocolError, decode, encode, peek_header
 from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
+    EnvClose,
+    EnvError,
+    EnvObservation,
+    EnvReset,
+    EnvStep,
     ErrorCode,
     Heartbeat,
     Hello,
@@ -290,6 +295,24 @@ BAD_FIELDS = {
                           "WeightsChunk.tensors['t']: bool tensor holds bytes other than 0 and 1"),
     "tensor_data_str": (WeightsChunk, ["policy", 1, 0, 1, {"t": ["int8", [1], "a"]}],
                         "tensor data must be bin or a frame index"),
+    # multi-turn episodes (version 5)
+    "loss_mask_length": (Rollout, rollout_values(loss_mask=["uint8", [4], b"\1\1\0\1"]),
+                         "Rollout: completion_token_ids has 5 tokens but loss_mask has 4"),
+    "loss_mask_dtype": (Rollout, rollout_values(loss_mask=["bool", [5], b"\1" * 5]),
+                        "Rollout.loss_mask: dtype 'bool' is not one of"),
+    "env_reward_str": (Rollout, rollout_values(env_reward="1.0"), "Rollout.env_reward: expected float"),
+    "num_turns_above": (Rollout, rollout_values(num_turns=1025), "Rollout.num_turns: 1025 is outside"),
+    "max_turns_zero": (Work, [[[1, [5], 2, 0, [], "", 0, False, 0]]], "Work.items[0].max_turns: 0 is outside"),
+    "observation_nan_reward": (EnvObservation, [1, 2, "x", None, False, math.nan], "EnvObservation: reward must be finite"),
+    "observation_inf_reward": (EnvObservation, [1, 2, "x", None, True, math.inf], "EnvObservation: reward must be finite"),
+    "observation_token_id": (EnvObservation, [1, 2, "", [1, -1]], "EnvObservation.token_ids: expected `int` >= 0"),
+    "observation_too_many_tokens": (EnvObservation, [1, 2, "", [0] * 65537], "EnvObservation.token_ids: expected `array` of length <= 65536"),
+    "observation_info_list": (EnvObservation, [1, 2, "", None, False, None, {"k": [1]}],
+                              "EnvObservation.info['k']: expected a scalar"),
+    "env_error_reason": (EnvError, [1, 2, 500, "t", "env_exploded"], "EnvError.reason: 'env_exploded' is not one of"),
+    "env_reset_sample_id": (EnvReset, [1, 2, 3, (1 << 20) + 1, "t", "p"], "EnvReset.sample_id"),
+    "env_step_action_type": (EnvStep, [1, 2, 5], "EnvStep.action: expected str, got int"),
+    "env_close_negative": (EnvClose, [-1], "EnvClose.episode_id: -1 is outside"),
 }
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wire_examples import assert_same, examples, rollout
 
 from tailrace.protocol.codec import ProtocolError, decode, encode
-from tailrace.protocol.messages import PROTOCOL_VERSION, Rollout, WeightsNotice
+from tailrace.protocol.messages import PROTOCOL_VERSION, EnvObservation, Rollout, WeightsNotice
 from tailrace.protocol.schema import (
     INT64_MAX,
     INT64_MIN,
@@ -101,6 +101,7 @@ def rollouts(draw):
     fields["completion_token_ids"] = draw(tensors(int_dtypes, length=length))
     fields["behaviour_logprobs"] = draw(tensors(("float32",), length=length))
     fields["policy_versions"] = draw(tensors(int_dtypes, length=length))
+    fields["loss_mask"] = draw(st.one_of(st.none(), tensors(("uint8",), length=length)))
     fields["min_policy_version"], fields["max_policy_version"] = sorted(
         (fields["min_policy_version"], fields["max_policy_version"]))
     return Rollout(**fields)
@@ -121,6 +122,10 @@ def weights_notices(draw):
 
 
 def messages(cls):
+    if cls is EnvObservation:  # its reward is nil or finite (a NaN one is refused: test_codec.py)
+        fields = {name: strategy(tp) for name, tp in hints(cls).items()}
+        return st.builds(cls, **(fields | {"reward": st.one_of(st.none(), st.floats(allow_nan=False,
+                                                                                   allow_infinity=False))}))
     if cls is Rollout:
         return rollouts()
     if cls is WeightsNotice:

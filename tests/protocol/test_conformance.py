@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 # ------------------------------------------------------------- the reward server, from SPEC.md only
 
-VERSION = 4  # Frames: "TR", the protocol version, then the kind byte
+VERSION = 5  # Frames: "TR", the protocol version, then the kind byte
 KINDS = {"Hello": 1, "Welcome": 2, "Reject": 3, "ScoreRequest": 30, "Score": 31, "ScoreError": 32,
          "Heartbeat": 60, "Shutdown": 61, "Error": 62, "Credit": 63}
 

@@ -38,6 +38,11 @@ from tailrace.protocol.codec import decode, encode
 from tailrace.protocol.messages import (
     PROTOCOL_VERSION,
     Credit,
+    EnvClose,
+    EnvError,
+    EnvObservation,
+    EnvReset,
+    EnvStep,
     Error,
     ErrorCode,
     Heartbeat,
@@ -58,10 +63,13 @@ REWARD_HELLO = Hello(role="reward", name="grader-1", protocol_version=PROTOCOL_V
 REWARD_SERVER_SEES = {Hello, Welcome, Reject, Heartbeat, Credit, ScoreRequest, Score, ScoreError, Stats, Spans,
                       Error, Shutdown}
 """Every message a reward server sends or receives on its session (SPEC.md, "Reward servers")."""
+ENV_SERVER_SEES = {Hello, Welcome, Reject, Heartbeat, Credit, EnvReset, EnvStep, EnvObservation, EnvError, EnvClose,
+                   Error, Shutdown}
+"""Every message an environment server sends or receives on its session (SPEC.md, "Environment servers")."""
 SECTIONS = ("Versions", "Frames", "Types", "Messages", "Error codes", "Connections", "Handshake",
             "Heartbeats and liveness", "Flow control", "Authentication (CURVE)", "Size limits",
-            "Work, leases and discards", "Reward servers", "Weights by broadcast", "Stats and Spans",
-            "Byte examples")
+            "Work, leases and discards", "Reward servers", "Environment servers", "Weights by broadcast",
+            "Stats and Spans", "Byte examples")
 
 
 def test_spec_has_its_title_and_sections():
@@ -103,7 +111,9 @@ def test_every_code_says_what_to_do():
                                                                 ErrorCode.INTERNAL}  # all the Server sends
     assert {code for kind, code in said if kind == "ScoreError"} == {
         ErrorCode.BAD_FIELD, ErrorCode.NO_CREDIT, ErrorCode.UNSUPPORTED, ErrorCode.INTERNAL, ErrorCode.TIMEOUT}
-    assert {kind for kind, _ in said} == {"Reject", "Error", "ScoreError"}
+    assert {code for kind, code in said if kind == "EnvError"} == {
+        ErrorCode.BAD_FIELD, ErrorCode.NO_CREDIT, ErrorCode.UNSUPPORTED, ErrorCode.INTERNAL, ErrorCode.TIMEOUT}
+    assert {kind for kind, _ in said} == {"Reject", "Error", "ScoreError", "EnvError"}
 
 
 def test_dtype_table_matches_codec():
@@ -127,9 +137,9 @@ def test_byte_examples_are_what_the_codec_produces():
         assert generated == render_example(msg), f"{expr}: run python tests/protocol/test_spec.py --write"
 
 
-def test_byte_examples_cover_every_message_a_reward_server_sees():
+def test_byte_examples_cover_every_message_a_reward_or_environment_server_sees():
     shown = {type(evaluate(expr)) for expr, _ in byte_examples(spec_text())}
-    missing = sorted(cls.__name__ for cls in REWARD_SERVER_SEES - shown)
+    missing = sorted(cls.__name__ for cls in (REWARD_SERVER_SEES | ENV_SERVER_SEES) - shown)
     assert not missing, f"SPEC.md's Byte examples lack {missing}"
     headings = re.findall(r"^### (\d+) (\w+)", section(spec_text(), "Byte examples"), re.M)
     assert all(type(evaluate(expr)).__name__ == name and type(evaluate(expr)).KIND == int(kind)

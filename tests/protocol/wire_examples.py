@@ -16,6 +16,11 @@ import torch
 from tailrace.protocol.messages import (
     Cancel,
     Credit,
+    EnvClose,
+    EnvError,
+    EnvObservation,
+    EnvReset,
+    EnvStep,
     Error,
     Event,
     Heartbeat,
@@ -112,7 +117,23 @@ def examples() -> list[tuple[object, int]]:
         (Shutdown(reason="run finished"), 2),
         (Error(code=401, text="Rollout.sample_id: expected int, got str", ref_kind=20), 2),
         (Credit(credits=8), 2),
+        (episode_rollout(), 2),
+        (EnvReset(request_id=5, episode_id=9, group_id=12, sample_id=3, task="guess", prompt="Guess my number.",
+                  metadata={"secret": 37}, timeout_s=30.0), 2),
+        (EnvStep(request_id=6, episode_id=9, action="50", timeout_s=30.0), 2),
+        (EnvObservation(request_id=6, episode_id=9, text="lower", done=False, info={"guesses": 1}), 2),
+        (EnvObservation(request_id=7, episode_id=9, token_ids=[1, 2, 3], done=True, reward=1.0), 2),
+        (EnvError(request_id=6, episode_id=9, code=504, text="step timed out after 30 s", reason="env_timeout"), 2),
+        (EnvClose(episode_id=9), 2),
     ]
+
+
+def episode_rollout() -> Rollout:
+    """A multi-turn Rollout: 2 assistant turns around 3 observation tokens, with an environment reward."""
+    base = rollout(3, 8)
+    mask = torch.tensor([1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.uint8)
+    return Rollout(**{**msgspec.structs.asdict(base), "behaviour_logprobs": base.behaviour_logprobs * mask,
+                      "loss_mask": mask, "env_reward": 0.5, "num_turns": 2})
 
 
 def as_torch(value):

@@ -151,7 +151,7 @@ def test_dpo_pairs_sharing_their_prompt(arch, cached_exact_model, make_samples, 
         assert float(stats["pairs"]) == 3
 
 
-@pytest.mark.parametrize("replay", ["replay", "packed", "auto"])
+@pytest.mark.parametrize("replay", ["replay", "packed", "auto", "layer_major"])
 def test_learner_step_equals_naive_step(replay, cached_exact_model, group_samples, rel_err):
     base = cached_exact_model("qwen2")
     gen = torch.Generator().manual_seed(7)
@@ -274,7 +274,7 @@ def test_cpu_tree_attention_mixes_dense_and_path_subtrees_exactly(dtype, tol):
 def test_train_config_accepts_the_replay_modes():
     from tailrace.engine.config import TrainConfig
 
-    for mode in ("auto", "naive", "replay", "packed"):
+    for mode in ("auto", "naive", "replay", "packed", "layer_major"):
         assert TrainConfig(replay=mode).replay == mode
     with pytest.raises(ValueError, match="train.replay"):
         TrainConfig(replay="tree")
