@@ -1,0 +1,134 @@
+"""The trie strategies (replay, packed, auto) on several ranks under per-layer FSDP2 residency.
+
+    train.fsdp.step_residency = "layer": every FSDP unit all-gathers in its forward and reduce-scatters in
+    its backward, so each rank must call each unit equally often (engine/core/lockstep.py). Here:
+        packs of whole root subtrees (packed.plan_packs), each ONE root call (forward, LM head, loss) and
+        one backward; the pack count agreed across ranks, short ranks pad with zero-weight micro-batches
+        auto: replay-or-packed decided once for all ranks (any rank's "replay" wins)
+        replay (chosen or agreed): tries that fit a pack run as packs, the gradient is the same; a root
+        subtree larger than one pack goes to layer_major_micro_batch (one micro-batch on every rank)
+        DPO (a sequence loss): its no-grad sequence log-probs by packs too, count agreed
+
+Depth-first replay (replay.py) cannot run here: its order of forwards and backwards depends on each rank's
+tries, so per-layer collectives would not line up. Test: pytest tests/engine/trainer/test_dist.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tailrace.engine.core.lockstep import Lockstep
+from tailrace.engine.core.losses import LossNormaliser, SequenceLoss
+from tailrace.engine.core.samples import TrainSample
+from tailrace.engine.replay.forward import DecoderSpec, decoder_spec
+from tailrace.engine.replay.packed import (
+    AutoForwardBackward,
+    Pack,
+    PackedForwardBackward,
+    choose_mode,
+    pack_logprobs,
+    pack_loss,
+    plan_packs,
+)
+from tailrace.engine.replay.replay import ReplayForwardBackward, default_budget_bytes, trie_stats
+from tailrace.engine.replay.trie import Trie, build_trie
+
+
+def layer_major_micro_batch(spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: SequenceLoss,
+                            normaliser: LossNormaliser, stats: dict[str, torch.Tensor], *, chunk_rows: int,
+                            with_entropy: bool) -> None:
+    """THE place where layer-major replay goes: forward and backward of one root subtree too large for
+    one pack, as ONE micro-batch (each FSDP unit gathered once in forward and reduced once in backward),
+    its statistics added to `stats`. Not available yet: raises."""
+    raise ValueError(
+        f"train.replay: a trie of {pack.num_tokens} forward tokens does not fit one pack of "
+        "train.micro_batch_tokens, and depth-first replay cannot run across ranks with per-layer sharding; "
+        'set train.fsdp.step_residency = "full" (the whole model gathered for the step) or raise '
+        "train.micro_batch_tokens (or train.replay = \"packed\")")
+
+
+def _settings(strategy) -> tuple[str, int, int, bool]:
+    """(mode, pack tokens, activation budget or -1, log entropy) of a trie strategy."""
+    if isinstance(strategy, AutoForwardBackward):
+        budget = strategy.replay.activation_budget_bytes
+        return "auto", strategy.packed.max_tokens, -1 if budget is None else budget, strategy.packed.log_entropy
+    if isinstance(strategy, PackedForwardBackward):
+        return "packed", strategy.max_tokens, -1, strategy.log_entropy
+    assert isinstance(strategy, ReplayForwardBackward)
+    return "replay", strategy.max_batch_tokens, -1, strategy.log_entropy
+
+
+def is_trie_strategy(strategy) -> bool:
+    return isinstance(strategy, (AutoForwardBackward, PackedForwardBackward, ReplayForwardBackward))
+
+
+def run_in_lockstep(strategy, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss | None,
+                    normaliser: LossNormaliser, lockstep: Lockstep, *, chunk_rows: int) -> dict[str, torch.Tensor]:
+    """A trie strategy's forward/backward of this rank's `samples` (possibly none: loss_fn None) in lock
+    step with the other ranks (module doc); the strategy's statistics, padding packs' dropped."""
+    mode, max_tokens, budget, with_entropy = _settings(strategy)
+    spec = decoder_spec(model)
+    trie = build_trie(samples) if samples else None
+    packs = plan_packs(trie, max_tokens) if trie is not None else []
+    wants_replay = mode == "replay"
+    if mode == "auto" and trie is not None:
+        budget = default_budget_bytes(next(model.parameters()).device) if budget < 0 else budget
+        wants_replay = choose_mode(model, trie, max_tokens=max_tokens, budget_bytes=budget) == "replay"
+    sequence = hasattr(loss_fn, "set_sequence_logprobs")
+    num_packs, num_sequence_packs, replay = lockstep.agree(
+        f"{mode} pass", [len(packs), int(sequence) * len(packs), int(wants_replay)], backward=True)
+    if num_sequence_packs:  # DPO: every sample's summed log-prob first, without autograd
+        rows = packs_logprobs(spec, trie, packs, lockstep, num_sequence_packs, chunk_rows=chunk_rows)
+        if trie is not None:
+            loss_fn.set_sequence_logprobs(torch.zeros(len(trie.sample_path), dtype=torch.float64)
+                                          .index_add_(0, trie.row_sample_R, rows))
+    stats: dict[str, torch.Tensor] = {}
+    for pack in packs:
+        if replay and pack.num_tokens > max_tokens:
+            layer_major_micro_batch(spec, trie, pack, loss_fn, normaliser, stats, chunk_rows=chunk_rows,
+                                    with_entropy=with_entropy)
+            continue
+        loss = pack_loss(spec, trie, pack, loss_fn, normaliser, stats, chunk_rows=chunk_rows,
+                         with_entropy=with_entropy)
+        assert loss is not None, "a pack of whole samples has loss rows"
+        loss.backward()  # unconditional: every rank reduce-scatters every unit once per micro-batch
+    lockstep.pad_to(len(packs), num_packs, backward=True)
+    if trie is not None:
+        stats.update(trie_stats(trie, sum(p.num_tokens for p in packs), 0))
+    if mode == "auto":
+        stats["packed_calls"] = torch.tensor(float(not replay and trie is not None), dtype=torch.float64)
+    return stats
+
+
+@torch.no_grad()
+def packs_logprobs(spec: DecoderSpec, trie: Trie | None, packs: Sequence[Pack], lockstep: Lockstep, agreed: int,
+                   *, chunk_rows: int) -> torch.Tensor:
+    """Log-prob of every loss row of `trie` (float64 [R], CPU) by its packs without autograd, then padding
+    forwards up to the `agreed` count."""
+    out = torch.zeros(0 if trie is None else trie.row_lm_R.numel(), dtype=torch.float64)
+    for pack in packs:
+        rows = pack_logprobs(spec, trie, pack, chunk_rows=chunk_rows)
+        if rows is not None:
+            out[rows[2]] = rows[0].double().cpu()
+    lockstep.pad_to(len(packs), agreed, backward=False)
+    return out
+
+
+def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], lockstep: Lockstep, *, max_tokens: int,
+                    chunk_rows: int) -> list[torch.Tensor]:
+    """Per-sample completion log-probs (float64 [T] each, CPU) by packs, no autograd, in lock step with the
+    other ranks (replay.sample_logprobs' counterpart; this rank's samples may be none)."""
+    trie = build_trie(samples) if samples else None
+    packs = plan_packs(trie, max_tokens) if trie is not None else []
+    (agreed,) = lockstep.agree("log-probs by packs", [len(packs)], backward=False)
+    rows = packs_logprobs(decoder_spec(model), trie, packs, lockstep, agreed, chunk_rows=chunk_rows)
+    if trie is None:
+        return []
+    lengths = [s.num_completion_tokens for s in samples]
+    offsets_S = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
+    flat = torch.zeros(sum(lengths), dtype=torch.float64)
+    flat[offsets_S[trie.row_sample_R] + trie.row_pos_R] = rows
+    return list(flat.split(lengths))
