@@ -42,12 +42,19 @@ def layer_major_micro_batch(spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: 
                             with_entropy: bool) -> None:
     """THE place where layer-major replay goes: forward and backward of one root subtree too large for
     one pack, as ONE micro-batch (each FSDP unit gathered once in forward and reduced once in backward),
-    its statistics added to `stats`. Not available yet: raises."""
+    its statistics added to `stats`. Not available yet: require_layer_major raises on every rank first."""
+    raise NotImplementedError("layer-major replay")
+
+
+def require_layer_major(largest_tokens: int, max_tokens: int) -> None:
+    """Called on every rank when any rank has a root subtree of `largest_tokens` > one pack under replay:
+    raises, the same error on every rank before any collective of the pass, until layer_major_micro_batch
+    exists (then this returns)."""
     raise ValueError(
-        f"train.replay: a trie of {pack.num_tokens} forward tokens does not fit one pack of "
-        "train.micro_batch_tokens, and depth-first replay cannot run across ranks with per-layer sharding; "
-        'set train.fsdp.step_residency = "full" (the whole model gathered for the step) or raise '
-        "train.micro_batch_tokens (or train.replay = \"packed\")")
+        f"train.replay: a trie of {largest_tokens} forward tokens does not fit one pack of "
+        f"train.micro_batch_tokens = {max_tokens}, and depth-first replay cannot run across ranks with per-layer "
+        'sharding; set train.fsdp.step_residency = "full" (the whole model gathered for the step), raise '
+        'train.micro_batch_tokens, or use train.replay = "packed"')
 
 
 def _settings(strategy) -> tuple[str, int, int, bool]:
@@ -78,8 +85,11 @@ def run_in_lockstep(strategy, model: nn.Module, samples: Sequence[TrainSample], 
         budget = default_budget_bytes(next(model.parameters()).device) if budget < 0 else budget
         wants_replay = choose_mode(model, trie, max_tokens=max_tokens, budget_bytes=budget) == "replay"
     sequence = hasattr(loss_fn, "set_sequence_logprobs")
-    num_packs, num_sequence_packs, replay = lockstep.agree(
-        f"{mode} pass", [len(packs), int(sequence) * len(packs), int(wants_replay)], backward=True)
+    largest = max((p.num_tokens for p in packs), default=0)
+    num_packs, num_sequence_packs, replay, largest = lockstep.agree(
+        f"{mode} pass", [len(packs), int(sequence) * len(packs), int(wants_replay), largest], backward=True)
+    if replay and largest > max_tokens:
+        require_layer_major(largest, max_tokens)
     if num_sequence_packs:  # DPO: every sample's summed log-prob first, without autograd
         rows = packs_logprobs(spec, trie, packs, lockstep, num_sequence_packs, chunk_rows=chunk_rows)
         if trie is not None:

@@ -423,7 +423,7 @@ class ResidencyMeter:
     residency), as a fraction of the model's full parameter bytes P (unsharded_frac).
 
     Unsharded parameters: the FSDP parameters whose unsharded storage is allocated; gradients: the
-    unsharded .grad tensors not yet reduce-scattered. Without FSDP (one rank) everything is resident."""
+    unsharded .grad tensors not yet reduce-scattered. Without FSDP (one rank) it sees nothing (0)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

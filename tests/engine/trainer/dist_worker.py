@@ -15,6 +15,7 @@ each rank's collectives (dist.CollectiveLog) and peak unsharded residency (dist.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--raise-at-step", type=int, default=0)
     ap.add_argument("--instrument", action="store_true")
+    ap.add_argument("--corrupt-plan", action="store_true", help="rank 1 plans one micro-batch more than agreed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -116,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         _die_in_step(learner, args.die_at_step)
     if args.raise_at_step:
         _raise_in_step(learner, args.raise_at_step)
+    if args.corrupt_plan and dist.rank() == 1:
+        agree = learner._lockstep.agree_max
+
+        def one_more(values):
+            agreed = agree(values)
+            return [agreed[0] + 1, *agreed[1:]]
+
+        learner._lockstep = dataclasses.replace(learner._lockstep, agree_max=one_more)
     if args.resume:
         checkpoint.load(args.resume, learner)
     out: dict = {"steps": [], "grad_norms": [], "initial": learner.state_dict_for_broadcast()}
