@@ -332,8 +332,9 @@ def layer_residency(model: nn.Module, config: FSDPConfig) -> bool:
 @contextmanager
 def forward_only(model: nn.Module, config: FSDPConfig) -> Iterator[None]:
     """Forwards without autograd on `model` (reference, proximal log-probs): "full" gathers it for them;
-    "layer" lets each layer gather and reshard in its forward, and reshards the root (which FSDP keeps
-    gathered after a forward, for the backward that does not come) at the end."""
+    "layer" lets each layer gather (and, with reshard_after_forward, reshard) in its forward, and reshards
+    every unit at the end: the root, which FSDP keeps gathered after a forward for a backward that does not
+    come here, and the layers when reshard_after_forward is off."""
     if not layer_residency(model, config):
         with gathered(model, config.reshard_after_forward):
             yield
@@ -341,7 +342,8 @@ def forward_only(model: nn.Module, config: FSDPConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        model.reshard()
+        for module in fsdp_modules(model):
+            module.reshard()
 
 
 def reduce_gradients(model: nn.Module, zero_unit: Callable[[], torch.Tensor]) -> None:

@@ -62,15 +62,15 @@ def worker(out: str, groups: list, threads: int, mode: str = "") -> None:
         _residency_step(learner, groups, out)
         return
     grads: dict[str, torch.Tensor] = {}
-    apply = learner.apply_gradients
+    update = learner._update
 
-    def capture() -> dict[str, float]:  # the reduced gradient, full, before the optimizer uses it
+    def capture() -> tuple[float, bool]:  # the reduced gradient, full, before the optimizer uses it
         for name, p in learner.model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name] = g.detach().double().cpu()
-        return apply()
+        return update()
 
-    learner.apply_gradients = capture
+    learner._update = capture
     dist.barrier()
     wall = time.perf_counter()
     learner.step(groups)
