@@ -24,8 +24,9 @@ from tailrace.engine.core.samples import TrainSample
 class LossNormaliser:
     """Counts of the whole optimizer step (all micro-batches, all ranks), fixed before any forward pass.
 
-    num_tokens: logical completion tokens (a token shared by k samples counts k times, as in the naive
-    loss). num_samples: samples in the step.
+    num_tokens: logical tokens with a loss term (a token shared by k samples counts k times, as in the naive
+    loss; a multi-turn sample's observation tokens, loss_mask False, do not count). num_samples: samples in
+    the step.
     """
 
     num_tokens: int
@@ -33,10 +34,10 @@ class LossNormaliser:
 
     @classmethod
     def from_samples(cls, samples: Sequence[TrainSample]) -> LossNormaliser:
-        return cls(num_tokens=sum(s.num_completion_tokens for s in samples), num_samples=len(samples))
+        return cls(num_tokens=sum(s.num_loss_tokens for s in samples), num_samples=len(samples))
 
     def token_weights(self, lengths_N: torch.Tensor, aggregation: str) -> torch.Tensor:
-        """Per-row weight; lengths_N is the completion length of each row's sample."""
+        """Per-row weight; lengths_N is each row's sample's number of loss tokens (TrainSample.num_loss_tokens)."""
         assert self.num_tokens > 0 and self.num_samples > 0
         if aggregation == "token_mean":
             return torch.full(lengths_N.shape, 1.0 / self.num_tokens, dtype=torch.float64, device=lengths_N.device)
@@ -48,7 +49,9 @@ class SequenceLoss(Protocol):
     """The loss of one step's samples, callable on any subset of their (sample, position) rows.
 
     logp_N: log-probs of the rows' completion tokens (with grad); sample_idx_N, pos_N: int64 [N], index i
-    meaning the strategy's samples[i]. Returns the loss to backpropagate and summed float64 statistics.
+    meaning the strategy's samples[i]. A strategy calls it on loss rows only: the completion positions whose
+    loss_mask is True (TrainSample.loss_positions), each once per pass; observation tokens of a multi-turn
+    sample get no row. Returns the loss to backpropagate and summed float64 statistics.
     """
 
     def __call__(self, logp_N: torch.Tensor, sample_idx_N: torch.Tensor, pos_N: torch.Tensor,

@@ -40,6 +40,10 @@ class TrainSample:
     vocabulary, so the truncated importance weight exp(logp_prox - behaviour_logp) corrects for staleness,
     truncation and backend numerics alike.
     policy_versions: int64 [T], the policy version that sampled each token (a rollout can span updates).
+    loss_mask: bool [T] or None (all True). A multi-turn episode's completion interleaves the assistant's
+    tokens with the environment's observation tokens; those are False here: they are context (shared
+    prefix in branch-replay's trie like any other token) but carry no loss term, and their
+    behaviour_logprobs (0.0) and policy_versions entries are ignored (staleness counts assistant tokens).
     reward_details: the other named numbers of a {"reward": r, "exact": e} reward (logged, not trained on).
     advantage: set by the learner from the group's rewards (GRPO) when it is given groups.
     """
@@ -55,6 +59,7 @@ class TrainSample:
     temperature: float = 1.0
     finish_reason: str = "stop"
     reward_details: dict[str, float] = field(default_factory=dict)  # the reward dict's other entries (logged)
+    loss_mask: torch.Tensor | None = None  # bool [T]: False for observation tokens (multi-turn); None = all True
 
     def __post_init__(self) -> None:
         # as_tensor accepts lists and numpy arrays (decoded wire frames are int32 numpy views).
@@ -70,6 +75,18 @@ class TrainSample:
         for name in ("behaviour_logprobs", "policy_versions"):
             if getattr(self, name).numel() != num_completion:
                 raise ValueError(f"{name}: length {getattr(self, name).numel()} != completion length {num_completion}")
+        if self.loss_mask is not None:
+            mask = torch.as_tensor(self.loss_mask).reshape(-1)
+            # Decoded wire frames may carry the mask as 0/1 integers: anything else is not a mask.
+            if mask.dtype != torch.bool and (mask.is_floating_point() or mask.is_complex()
+                                             or not bool(((mask == 0) | (mask == 1)).all())):
+                raise ValueError(f"loss_mask: must be bool (or 0/1 integers), got {mask.dtype}")
+            mask = mask.to(torch.bool)
+            if mask.numel() != num_completion:
+                raise ValueError(f"loss_mask: length {mask.numel()} != completion length {num_completion}")
+            if not bool(mask.any()):
+                raise ValueError("loss_mask: no token carries a loss term (at least one must be True)")
+            self.loss_mask = mask
         if not bool(torch.isfinite(self.behaviour_logprobs).all()):
             raise ValueError("behaviour_logprobs: non-finite value")
         if not math.isfinite(self.reward):
@@ -83,8 +100,20 @@ class TrainSample:
 
     @property
     def num_completion_tokens(self) -> int:
-        """Tokens that carry a loss term."""
+        """Tokens after the prompt: the assistant's and, multi-turn, the observations between its turns."""
         return self.completion_ids.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens that carry a loss term: the completion's tokens where loss_mask is True."""
+        return self.num_completion_tokens if self.loss_mask is None else int(self.loss_mask.sum())
+
+    @property
+    def loss_positions(self) -> torch.Tensor:
+        """int64 [num_loss_tokens]: the completion positions that carry a loss term, ascending."""
+        if self.loss_mask is None:
+            return torch.arange(self.num_completion_tokens, dtype=torch.int64)
+        return torch.nonzero(self.loss_mask).flatten()
 
     @property
     def num_tokens(self) -> int:
@@ -92,12 +121,18 @@ class TrainSample:
         return self.num_prompt_tokens + self.num_completion_tokens
 
     @property
+    def _loss_versions(self) -> torch.Tensor:
+        # Observation tokens carry whatever version the generator stamped: not the policy that wrote them.
+        return self.policy_versions if self.loss_mask is None else self.policy_versions[self.loss_mask]
+
+    @property
     def min_policy_version(self) -> int:
-        return int(self.policy_versions.min())
+        """The oldest policy that sampled one of the tokens with a loss term."""
+        return int(self._loss_versions.min())
 
     @property
     def max_policy_version(self) -> int:
-        return int(self.policy_versions.max())
+        return int(self._loss_versions.max())
 
 
 @dataclass(kw_only=True, eq=False)

@@ -68,6 +68,20 @@ def _settings(strategy) -> tuple[str, int, int, bool]:
     return "replay", strategy.max_batch_tokens, -1, strategy.log_entropy
 
 
+def _packs(trie: Trie | None, max_tokens: int) -> list[Pack]:
+    """The trie's packs that have loss rows (a pack of samples whose completion tokens are all observation
+    tokens, loss_mask False, has none: it would add nothing, and a forward without a backward would break
+    the lock step)."""
+    if trie is None:
+        return []
+    packs = []
+    for pack in plan_packs(trie, max_tokens):
+        segs = torch.searchsorted(trie.seg_start_S, torch.tensor([pack.node_start, pack.node_stop])).tolist()
+        if int(trie.seg_lm_ptr_S1[segs[1]]) > int(trie.seg_lm_ptr_S1[segs[0]]):
+            packs.append(pack)
+    return packs
+
+
 def is_trie_strategy(strategy) -> bool:
     return isinstance(strategy, (AutoForwardBackward, PackedForwardBackward, ReplayForwardBackward))
 
@@ -79,7 +93,7 @@ def run_in_lockstep(strategy, model: nn.Module, samples: Sequence[TrainSample], 
     mode, max_tokens, budget, with_entropy = _settings(strategy)
     spec = decoder_spec(model)
     trie = build_trie(samples) if samples else None
-    packs = plan_packs(trie, max_tokens) if trie is not None else []
+    packs = _packs(trie, max_tokens)
     wants_replay = mode == "replay"
     if mode == "auto" and trie is not None:
         budget = default_budget_bytes(next(model.parameters()).device) if budget < 0 else budget
@@ -103,7 +117,7 @@ def run_in_lockstep(strategy, model: nn.Module, samples: Sequence[TrainSample], 
             continue
         loss = pack_loss(spec, trie, pack, loss_fn, normaliser, stats, chunk_rows=chunk_rows,
                          with_entropy=with_entropy)
-        assert loss is not None, "a pack of whole samples has loss rows"
+        assert loss is not None, "_packs keeps packs with loss rows"
         loss.backward()  # unconditional: every rank reduce-scatters every unit once per micro-batch
     lockstep.pad_to(len(packs), num_packs, backward=True)
     if trie is not None:
@@ -132,7 +146,7 @@ def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], lockstep: 
     """Per-sample completion log-probs (float64 [T] each, CPU) by packs, no autograd, in lock step with the
     other ranks (replay.sample_logprobs' counterpart; this rank's samples may be none)."""
     trie = build_trie(samples) if samples else None
-    packs = plan_packs(trie, max_tokens) if trie is not None else []
+    packs = _packs(trie, max_tokens)
     (agreed,) = lockstep.agree("log-probs by packs", [len(packs)], backward=False)
     rows = packs_logprobs(decoder_spec(model), trie, packs, lockstep, agreed, chunk_rows=chunk_rows)
     if trie is None:

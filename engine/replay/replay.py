@@ -16,8 +16,9 @@ closes: the parameter gradient is the naive per-sample one, up to rounding. Memo
 keys/values and the kept forwards the budget allows (ReplayForwardBackward.activation_budget_bytes:
 keep an inner segment iff the kept ones + it + the largest single segment still fit; otherwise recompute
 it once at close). The loss is a SequenceLoss (engine/core/losses.py: the learner's StepLoss, or DPOLoss) on
-logical rows (one per sample and completion position), so advantages, behaviour log-probs and
-normalisation are per original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
+logical rows (one per sample and completion position with a loss term: a multi-turn sample's observation
+tokens run forward as prefix but have no row), so advantages, behaviour log-probs and normalisation are per
+original sample, as in the naive loss; log-probs come from kernels/logprobs.py,
 never a [tokens, vocab] tensor.
 Test: pytest tests/engine/replay/test_replay.py
 """
@@ -316,7 +317,8 @@ def trie_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: i
 
 
 def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], chunk_rows: int) -> list[torch.Tensor]:
-    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd."""
+    """Per-sample completion log-probs (float64 [T] each, CPU), shared prefixes run once, no autograd; 0.0
+    at observation tokens (loss_mask False), which have no loss row."""
     if not samples:
         return []
     trie = build_trie(samples)
@@ -346,7 +348,8 @@ def prepare_sequence_loss(model: nn.Module, spec: DecoderSpec, trie: Trie, loss_
 
 
 def summed_logprobs(model: nn.Module, spec: DecoderSpec, trie: Trie, chunk_rows: int) -> torch.Tensor:
-    """Each sample's summed completion log-prob (float64 [S], CPU), shared prefixes run once, no autograd."""
+    """Each sample's summed completion log-prob over its loss tokens (float64 [S], CPU), shared prefixes run
+    once, no autograd."""
     rows = trie_logprobs(model, spec, trie, chunk_rows)
     return torch.zeros(len(trie.sample_path), dtype=torch.float64).index_add_(0, trie.row_sample_R, rows)
 

@@ -5,8 +5,10 @@ nodes (a radix-tree edge). Segments are numbered in DFS pre-order and their node
 node index order is the pre-order of nodes too: a segment's subtree is the node range
 [seg_start, seg_end). Positions are path depths (a node's distance from the root).
 
-Loss rows are logical, one per (sample, completion position), attached to the node that *predicts* the
-token (its parent on the sample's path). A node with several children predicts a different token in each
+Loss rows are logical, one per (sample, completion position) that carries a loss term, attached to the
+node that *predicts* the token (its parent on the sample's path). A multi-turn sample's observation tokens
+(loss_mask False) are nodes like any other token, shared prefix of the samples that contain them, but get
+no loss row: the mask changes only which rows exist, never the trie. A node with several children predicts a different token in each
 (the branching-token rule): one hidden state, several labels. Rows that share (node, label, temperature)
 share one log-prob computation, the "LM rows".
 Test: pytest tests/engine/replay/test_trie.py
@@ -192,14 +194,15 @@ def _loss_rows(samples: Sequence[TrainSample], paths: list[list[int]], seg_start
     for i, (s, path) in enumerate(zip(samples, paths, strict=True)):
         path_arr = np.asarray(path, dtype=np.int64)
         starts = seg_depth[path_arr]
-        pred_depth = np.arange(s.num_prompt_tokens - 1, s.num_tokens - 1, dtype=np.int64)
+        loss_pos = s.loss_positions.numpy()
+        pred_depth = loss_pos + (s.num_prompt_tokens - 1)
         k = np.searchsorted(starts, pred_depth, side="right") - 1
         seg = path_arr[k]
         nodes.append(seg_start[seg] + pred_depth - starts[k])
-        labels.append(s.completion_ids.numpy())
+        labels.append(s.completion_ids.numpy()[loss_pos])
         temps.append(np.full(pred_depth.size, s.temperature, dtype=np.float64))
         sample_idx.append(np.full(pred_depth.size, i, dtype=np.int64))
-        pos.append(np.arange(pred_depth.size, dtype=np.int64))
+        pos.append(loss_pos)
     node, label, temp = np.concatenate(nodes), np.concatenate(labels).astype(np.int64), np.concatenate(temps)
     temp_values, temp_idx = np.unique(temp, return_inverse=True)
     key = (node * temp_values.size + temp_idx) * (int(label.max()) + 1) + label

@@ -92,7 +92,7 @@ class DPOLearner(Learner):
         metrics.update({f"trainer/strategy/{k}": float(v) for k, v in stats.items()
                         if k not in PAIR_STAT_KEYS and k != "tokens"})
         metrics["trainer/tokens/logical"] = float(sum(s.num_tokens for s in samples))
-        metrics["trainer/tokens/loss"] = float(sum(s.num_completion_tokens for s in samples))
+        metrics["trainer/tokens/loss"] = float(sum(s.num_loss_tokens for s in samples))
         metrics.update(self.apply_gradients())
         metrics["trainer/time/step_s"] = time.monotonic() - start_s
         return metrics

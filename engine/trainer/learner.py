@@ -83,7 +83,8 @@ class MicroBatch:
     """Right-padded rows plus, for each loss row, where its predicting hidden state is.
 
     A row holds prompt + completion[:-1]: the last completion token is a label only. Loss row n is the
-    completion token pos_N[n] of samples[sample_idx_N[n]], predicted by hidden state (row_N, col_N).
+    completion token pos_N[n] of samples[sample_idx_N[n]], predicted by hidden state (row_N, col_N); only
+    loss tokens have one (a multi-turn sample's observation tokens are inputs, never labels).
     """
 
     input_ids_BL: torch.Tensor
@@ -125,11 +126,11 @@ def collate(samples: Sequence[TrainSample], indices: Sequence[int], device: torc
         s = samples[i]
         input_ids[b, : row.numel()] = row
         mask[b, : row.numel()] = 1
-        t = s.num_completion_tokens
-        pos = torch.arange(t, dtype=torch.int64)
+        pos = s.loss_positions
+        t = pos.numel()
         fields["row"].append(torch.full((t,), b, dtype=torch.int64))
         fields["col"].append(pos + (s.num_prompt_tokens - 1))
-        fields["labels"].append(s.completion_ids)
+        fields["labels"].append(s.completion_ids[pos])
         fields["temp"].append(torch.full((t,), s.temperature, dtype=torch.float64))
         fields["sample"].append(torch.full((t,), i, dtype=torch.int64))
         fields["pos"].append(pos)
@@ -166,8 +167,9 @@ def forward_logprobs(
 @torch.no_grad()
 def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_batch_tokens: int,
                     chunk_rows: int, lockstep: Lockstep | None = None) -> list[torch.Tensor]:
-    """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy).
-    With a lockstep (per-layer FSDP on several ranks): the micro-batch count agreed, padded forwards."""
+    """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy);
+    0.0 at observation tokens (loss_mask False), which get no loss row. With a lockstep (per-layer FSDP on
+    several ranks): the micro-batch count agreed, padded forwards."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     lengths = [s.num_tokens - 1 for s in samples]
@@ -177,8 +179,10 @@ def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_b
         mb = collate(samples, indices, device)
         logp_N, _ = forward_logprobs(model, mb, chunk_rows=chunk_rows)
         logp_N = logp_N.cpu()
+        sample_idx = mb.sample_idx_N.cpu()
         for i in indices:
-            out[i] = logp_N[mb.sample_idx_N.cpu() == i]
+            out[i] = torch.zeros(samples[i].num_completion_tokens, dtype=logp_N.dtype)
+            out[i][mb.pos_N.cpu()[sample_idx == i]] = logp_N[sample_idx == i]
     if lockstep:
         lockstep.pad_to(len(plan), agreed, backward=False)
     return out
@@ -218,7 +222,8 @@ def make_lockstep(model: nn.Module, check_schedule: bool) -> Lockstep:
 
 
 class ForwardBackward(Protocol):
-    """Runs forward and backward for every completion token of `samples` (logically) exactly once.
+    """Runs forward and backward for every loss token of `samples` (logically) exactly once: every completion
+    token but a multi-turn sample's observation tokens (loss_mask False), which are inputs only.
 
     Calls loss_fn(logp_N, sample_idx_N, pos_N, normaliser, entropy_N=...) on the rows it computes and
     backpropagates the returned losses; gradients accumulate into .grad (the learner zeroes and steps).
@@ -247,6 +252,10 @@ class NaiveForwardBackward:
         stats: dict[str, torch.Tensor] = {}
         lengths = [s.num_tokens - 1 for s in samples]
         plan = plan_micro_batches(lengths, self.micro_batch_tokens)
+        if lockstep:
+            # A micro-batch without loss tokens (all observations) would give some parameters no gradient
+            # (the LM head) on this rank only, unlike the others' reduce-scatters: left out, it adds nothing.
+            plan = [ix for ix in plan if any(samples[i].num_loss_tokens for i in ix)]
         agreed = lockstep.agree("naive pass", [len(plan)], backward=True)[0] if lockstep else len(plan)
         for indices in plan:
             mb = collate(samples, indices, device)

@@ -1,11 +1,13 @@
 """GRPO advantages and the decoupled PPO-clip policy loss with truncated importance weights (AReaL style).
 
-Everything here works on flat per-token tensors, one row per (sample, completion position) pair, so any
+Everything here works on flat per-token tensors, one row per (sample, completion position) pair with a loss term, so any
 forward/backward strategy (naive micro-batches now, branch-replay or packed tries later) can call the
 loss on whatever rows it has, with each row's own sample's advantage and behaviour log-prob. The loss is
 a sum of per-token terms times per-token weights fixed by the whole step (`LossNormaliser`, in
 engine/core/losses.py with the SequenceLoss call that strategies make), so the sum
-over any partition of the step's rows gives the same loss and gradient.
+over any partition of the step's rows gives the same loss and gradient. Rows are loss tokens only: a
+multi-turn sample's observation tokens (loss_mask False) get no row, so every count, weight and statistic
+here (normaliser, ratios, clip and truncation fractions, KL, entropy) is over the assistant's tokens.
 Test: pytest tests/engine/trainer/test_loss.py
 """
 
@@ -201,7 +203,9 @@ class StepLoss:
 
     Built once per step from the samples this rank trains (index i means samples[i]); a strategy calls it
     with the log-probs it computed and which rows they are. ref/prox_logprobs: optional per-sample [T]
-    tensors (reference model for KL; proximal policy when it is not the current one).
+    tensors (reference model for KL; proximal policy when it is not the current one), read at loss rows only.
+    Rows index the completion (pos in [0, T)); a row at an observation token (loss_mask False) is a
+    strategy's bug and fails an assert.
     """
 
     def __init__(
@@ -216,6 +220,10 @@ class StepLoss:
         self.config = config
         self.lengths_S = torch.tensor([s.num_completion_tokens for s in samples], dtype=torch.int64)
         self.offsets_S = torch.cumsum(self.lengths_S, 0) - self.lengths_S
+        self.loss_lengths_S = torch.tensor([s.num_loss_tokens for s in samples], dtype=torch.int64)
+        self.mask_M = None if all(s.loss_mask is None for s in samples) else torch.cat(
+            [torch.ones(s.num_completion_tokens, dtype=torch.bool) if s.loss_mask is None else s.loss_mask
+             for s in samples])
         self.behaviour_M = torch.cat([s.behaviour_logprobs for s in samples])
         self.advantages_S = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
         self.ref_M = self._cat(ref_logprobs, len(samples))
@@ -240,7 +248,8 @@ class StepLoss:
         device = logp_N.device
         sample_idx = sample_idx_N.cpu()
         flat = self.offsets_S[sample_idx] + pos_N.cpu()
-        weights = normaliser.token_weights(self.lengths_S[sample_idx], self.config.aggregation)
+        assert self.mask_M is None or bool(self.mask_M[flat].all()), "a loss row at an observation token"
+        weights = normaliser.token_weights(self.loss_lengths_S[sample_idx], self.config.aggregation)
         return policy_loss(
             logp_N,
             self.behaviour_M[flat].to(device),

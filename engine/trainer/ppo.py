@@ -57,11 +57,14 @@ def split_like(flat: Sequence[T] | None, parts: Sequence[Sequence[object]]) -> l
 
 class RecordingLoss:
     """A StepLoss (engine/core/losses.py SequenceLoss) that also keeps the detached log-prob of every row it is
-    called on; a strategy computes each (sample, position) row once per pass."""
+    called on; a strategy computes each loss row (sample, position) once per pass. Observation tokens of a
+    multi-turn sample (loss_mask False) have no row; their recorded log-prob is 0.0 and never read."""
 
     def __init__(self, loss_fn: StepLoss) -> None:
         self.loss_fn = loss_fn
         self.logp_M = torch.full((int(loss_fn.lengths_S.sum()),), float("nan"), dtype=torch.float64)
+        if loss_fn.mask_M is not None:
+            self.logp_M[~loss_fn.mask_M] = 0.0
 
     def __call__(self, logp_N: torch.Tensor, sample_idx_N: torch.Tensor, pos_N: torch.Tensor,
                  normaliser: LossNormaliser, *, entropy_N: torch.Tensor | None = None):

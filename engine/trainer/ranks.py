@@ -8,8 +8,8 @@
 
 Commands and batches travel on dist.command_group() (gloo, no deadline: followers wait there as long as
 rank 0 waits for rollouts); a step's FSDP collectives run on the default group, whose timeout turns a
-dead or stuck rank into an error. A batch crosses as tensors (ids, log-probs, versions, per-sample
-numbers), never pickled: it came from the network. Test: pytest tests/engine/trainer/test_dist.py
+dead or stuck rank into an error. A batch crosses as tensors (ids, log-probs, versions, loss masks,
+per-sample numbers), never pickled: it came from the network. Test: pytest tests/engine/trainer/test_dist.py
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _bcast(tensor: torch.Tensor) -> torch.Tensor:
 
 def encode_batch(groups: Sequence[Group]) -> list[torch.Tensor]:
     """The tensors of a batch: per sample (group, sample, prompt length, completion length) and (reward,
-    advantage, temperature); all token ids; completion versions and behaviour log-probs."""
+    advantage, temperature); all token ids; completion versions, behaviour log-probs and loss masks (uint8,
+    1 where the sample has no mask)."""
     samples = [s for g in groups for s in g.samples]
     ints = torch.tensor([[s.group_id, s.sample_id, s.num_prompt_tokens, s.num_completion_tokens] for s in samples],
                         dtype=torch.int64)
@@ -52,18 +53,22 @@ def encode_batch(groups: Sequence[Group]) -> list[torch.Tensor]:
     ids = torch.cat([t for s in samples for t in (s.prompt_ids, s.completion_ids)])
     versions = torch.cat([s.policy_versions for s in samples])
     logprobs = torch.cat([s.behaviour_logprobs for s in samples])
-    return [ints, floats, ids, versions, logprobs]
+    masks = torch.cat([torch.ones(s.num_completion_tokens, dtype=torch.uint8) if s.loss_mask is None
+                       else s.loss_mask.to(torch.uint8) for s in samples])
+    return [ints, floats, ids, versions, logprobs, masks]
 
 
 def decode_batch(ints: torch.Tensor, floats: torch.Tensor, ids: torch.Tensor, versions: torch.Tensor,
-                 logprobs: torch.Tensor) -> list[Group]:
+                 logprobs: torch.Tensor, masks: torch.Tensor) -> list[Group]:
     groups: dict[int, list[TrainSample]] = {}
     at_id = at_t = 0
     for (gid, sid, p, t), (reward, advantage, temperature) in zip(ints.tolist(), floats.tolist(), strict=True):
+        mask = masks[at_t:at_t + t].to(torch.bool)
         groups.setdefault(gid, []).append(TrainSample(
             group_id=gid, sample_id=sid, prompt_ids=ids[at_id:at_id + p], completion_ids=ids[at_id + p:at_id + p + t],
             behaviour_logprobs=logprobs[at_t:at_t + t], policy_versions=versions[at_t:at_t + t],
-            reward=reward, advantage=advantage, temperature=temperature))
+            reward=reward, advantage=advantage, temperature=temperature,
+            loss_mask=None if bool(mask.all()) else mask))
         at_id, at_t = at_id + p + t, at_t + t
     return [Group(group_id=gid, samples=samples) for gid, samples in groups.items()]
 
@@ -83,7 +88,7 @@ def _receive() -> tuple[Command, list[torch.Tensor], int, str]:
     batch: list[torch.Tensor] = []
     if kind == Command.STEP:
         shapes = [((n, 4), torch.int64), ((n, 3), torch.float64), ((n_ids,), torch.int64), ((n_t,), torch.int64),
-                  ((n_t,), torch.float32)]
+                  ((n_t,), torch.float32), ((n_t,), torch.uint8)]
         batch = [_bcast(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes]
     path = bytes(_bcast(torch.empty(n_path, dtype=torch.uint8)).tolist()).decode() if n_path else ""
     return Command(kind), batch, arg, path

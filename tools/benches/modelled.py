@@ -442,7 +442,7 @@ class ModelledLearner(Learner):
         rewards = [s.reward for s in samples]
         return {
             "trainer/tokens/logical": float(tokens),
-            "trainer/tokens/loss": float(sum(s.num_completion_tokens for s in samples)),
+            "trainer/tokens/loss": float(sum(s.num_loss_tokens for s in samples)),
             "trainer/tokens/padded": float(padded),
             "trainer/samples": float(len(samples)),
             "trainer/reward/mean": statistics.fmean(rewards),

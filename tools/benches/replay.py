@@ -132,7 +132,7 @@ def flop_ideal(config, samples, trie) -> dict:
     """Naive FLOPs (every sample's full causal forward) over trie FLOPs (every unique token once, every
     distinct LM row once, each token attending to its path); backward scales both alike."""
     f_tok, f_head, f_pair = model_flops(config)
-    naive = sum((s.num_tokens - 1) * f_tok + s.num_completion_tokens * f_head
+    naive = sum((s.num_tokens - 1) * f_tok + s.num_loss_tokens * f_head
                 + (s.num_tokens - 1) * s.num_tokens / 2 * f_pair for s in samples)
     trie_flops = trie.num_forward_tokens * f_tok + trie.lm_node_U.numel() * f_head + trie.attention_pairs() * f_pair
     return {"ideal": naive / trie_flops, "token_ideal": trie.num_logical_tokens / trie.num_unique_tokens,

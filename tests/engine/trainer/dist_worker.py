@@ -37,7 +37,8 @@ def tiny_model(arch: str, dtype: torch.dtype, layers: int = 2) -> torch.nn.Modul
 
 
 def batches():
-    """Three batches: unequal groups, then one big and one tiny group, then a single group."""
+    """Three batches: unequal groups, then one big and one tiny group, then a single group; odd samples have
+    a loss mask (multi-turn), which crosses to the other ranks with the batch."""
     from tailrace.engine.core.samples import Group, TrainSample
 
     gen = torch.Generator().manual_seed(1)
@@ -55,7 +56,9 @@ def batches():
                 group_id=gid, sample_id=i, prompt_ids=prompt, completion_ids=completion,
                 behaviour_logprobs=-4.0 - torch.rand(completion.numel(), generator=gen),
                 policy_versions=torch.zeros(completion.numel(), dtype=torch.int64),
-                reward=float(torch.rand((), generator=gen)), temperature=[1.0, 0.7][i % 2]))
+                reward=float(torch.rand((), generator=gen)), temperature=[1.0, 0.7][i % 2],
+                # Odd samples are multi-turn: their first three tokens an observation, with no loss term.
+                loss_mask=torch.arange(completion.numel()) >= 3 if i % 2 else None))
         return Group(group_id=gid, samples=samples)
 
     return [[group(4, 9, 6), group(2, 3, 4), group(3, 5, 8), group(1, 2, 2)],

@@ -74,12 +74,16 @@ def test_partition_is_balanced_deterministic_and_whole():
 
 def test_batch_codec_round_trips_every_field():
     groups = _load_worker().batches()[0]
+    multi_turn = groups[0].samples[0]  # a multi-turn sample: its observation tokens carry no loss term
+    multi_turn.loss_mask = torch.arange(multi_turn.num_completion_tokens) % 2 == 0
     back = ranks.decode_batch(*ranks.encode_batch(groups))
     assert [g.group_id for g in back] == [g.group_id for g in groups]
     for g, h in zip(groups, back, strict=True):
         for s, t in zip(g.samples, h.samples, strict=True):
             for name in ("prompt_ids", "completion_ids", "behaviour_logprobs", "policy_versions"):
                 assert torch.equal(getattr(s, name), getattr(t, name)), name
+            ones = torch.ones(s.num_completion_tokens, dtype=torch.bool)
+            assert torch.equal(ones if s.loss_mask is None else s.loss_mask, ones if t.loss_mask is None else t.loss_mask)
             assert (s.sample_id, s.reward, s.advantage, s.temperature) == (t.sample_id, t.reward, t.advantage,
                                                                            t.temperature)
 
