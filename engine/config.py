@@ -162,12 +162,16 @@ class RewardConfig:
 class FSDPConfig:
     """Sharding of the trainer under torchrun (engine/trainer/dist.py); ignored on one rank."""
 
-    reshard_after_forward: bool = True  # free gathered parameters after forward-only passes (reference model); a training step keeps them gathered
+    reshard_after_forward: bool = True  # free each decoder layer's gathered parameters after its forward (gathered again for its backward); step_residency full keeps the policy gathered for the step
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA)
     mixed_precision: str = "auto"  # auto (bf16 parameters, fp32 reduction on CUDA; model dtype on CPU) | bf16 | off
     collective_timeout_s: float = 300.0  # a collective that waits longer (a dead or stuck rank) raises
+    step_residency: str = "layer"  # layer: a step all-gathers one decoder layer at a time and reduce-scatters per layer in backward (docs/scaling.md) | full: the whole model gathered for the step (fits one device; depth-first replay across ranks)
+    check_schedule: bool = False  # debug: before each pass the ranks compare a hash of their planned micro-batch schedule; a difference raises naming the rank
 
     def __post_init__(self):
+        _check(self.step_residency in ("layer", "full"), "train.fsdp.step_residency",
+               f"{self.step_residency!r} is not one of layer, full")
         _check(self.mixed_precision in ("auto", "bf16", "off"), "train.fsdp.mixed_precision",
                f"{self.mixed_precision!r} is not one of auto, bf16, off")
         _check(self.collective_timeout_s > 0, "train.fsdp.collective_timeout_s", "must be > 0")

@@ -11,8 +11,9 @@ Test: pytest tests/engine/replay/test_replay.py
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -169,14 +170,16 @@ def decoder_layer(spec: DecoderSpec, i: int, h_LD: torch.Tensor, cos: torch.Tens
 def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor,
                  segments: Sequence[SegmentRows],
                  *, external: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]] = (),
-                 subtree_end_N: torch.Tensor | None = None):
+                 subtree_end_N: torch.Tensor | None = None, head: Callable[[torch.Tensor], Any] | None = None):
     """One forward call over trie segments in pre-order (`segments` tile the rows) at path-depth positions.
 
     external: the cached prefix outside the call, per ancestor (root first), per layer (keys [Hk, l, hd],
     values), covering depths 0..; segments flagged `external` see it first. subtree_end_N: the call's tree
     mask as kernels/tree_attention takes it; with it and without an external prefix, CUDA runs that Triton
     kernel, elsewhere attention.paths_attention runs the exact pairs segment by segment.
-    Returns (final-normed hidden [N, D], keys per layer, values per layer)."""
+    head: runs on the final-normed hidden inside the same root call (the LM head and loss, so that FSDP
+    gathers and reduces the root once per call); its result comes fourth, else None.
+    Returns (final-normed hidden [N, D], keys per layer, values per layer, head's result)."""
     masks: dict = {}  # path masks (windows, other devices), shared by the layers
 
     def attend(i: int, q, k, v):
@@ -198,7 +201,8 @@ def forward_rows(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tenso
             h, k, v = decoder_layer(spec, i, h, cos, sin, attend)
             keys.append(k)
             values.append(v)
-        return spec.decoder.norm(h), keys, values
+        h = spec.decoder.norm(h)
+        return h, keys, values, None if head is None else head(h)
 
     return run_as_forward(spec.root, body, tokens_N, depth_N)
 
@@ -208,7 +212,7 @@ def segment_forward(spec: DecoderSpec, tokens_L: torch.Tensor, start_depth: int,
     """One trie segment at depths start_depth.. against its ancestors' keys/values (forward_rows' external)."""
     depth = torch.arange(start_depth, start_depth + tokens_L.numel(), device=tokens_L.device)
     rows = [SegmentRows(0, tokens_L.numel(), (), start_depth, external=bool(prefix))]
-    return forward_rows(spec, tokens_L, depth, rows, external=prefix)
+    return forward_rows(spec, tokens_L, depth, rows, external=prefix)[:3]
 
 
 def tree_forward(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tensor, subtree_end_N: torch.Tensor,
@@ -221,14 +225,16 @@ def tree_forward(spec: DecoderSpec, tokens_N: torch.Tensor, depth_N: torch.Tenso
 
 
 def row_logprobs(spec: DecoderSpec, hidden_UD: torch.Tensor, labels_U: torch.Tensor, temperature_U: torch.Tensor,
-                 *, chunk_rows: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 *, chunk_rows: int, with_entropy: bool,
+                 inside_root: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and detached entropies) of labels under softmax(lm_head(hidden) / temperature), a chunk
-    of rows at a time, never [U, V] at once (kernels/logprobs.py)."""
+    of rows at a time, never [U, V] at once (kernels/logprobs.py). As its own root call, unless
+    `inside_root` (called from forward_rows' head: the root's parameters are already gathered)."""
     def body(hidden_UD: torch.Tensor, labels_U: torch.Tensor):  # temperatures stay out of mixed precision's cast
         return chunked_logprobs(hidden_UD, spec.lm_head.weight, labels_U, bias_V=getattr(spec.lm_head, "bias", None),
                                 temperature=temperature_U, chunk_size=chunk_rows, return_entropy=with_entropy)
 
-    out = run_as_forward(spec.root, body, hidden_UD, labels_U)
+    out = body(hidden_UD, labels_U) if inside_root else run_as_forward(spec.root, body, hidden_UD, labels_U)
     if not with_entropy:
         return out, None
     return out[0], out[1].detach()

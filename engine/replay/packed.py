@@ -37,13 +37,14 @@ from tailrace.engine.replay.attention import SegmentRows
 from tailrace.engine.replay.forward import (
     DecoderSpec,
     activation_bytes_per_token,
-    tree_forward,
+    forward_rows,
 )
 from tailrace.engine.replay.replay import (
     ReplayForwardBackward,
     default_budget_bytes,
     prepare,
     trie_stats,
+    unit_logprobs,
     unit_loss,
 )
 from tailrace.engine.replay.trie import Trie
@@ -139,12 +140,33 @@ class PackedForwardBackward:
 
     def _pack_loss(self, spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: SequenceLoss,
                    normaliser: LossNormaliser, stats: dict[str, torch.Tensor], device: torch.device):
-        nodes = pack.nodes.to(device)
-        hidden = tree_forward(spec, trie.tokens_N.to(device)[nodes], trie.depth_N.to(device)[nodes],
-                              pack_subtree_end(trie, pack).to(device), pack_segments(trie, pack))
-        segs = torch.searchsorted(trie.seg_start_S, torch.tensor([pack.node_start, pack.node_stop])).tolist()
-        return unit_loss(spec, trie, range(*segs), pack.nodes, hidden, loss_fn, normaliser, stats,
-                         chunk_rows=self.logprob_chunk_tokens, with_entropy=self.log_entropy)
+        return pack_loss(spec, trie, pack, loss_fn, normaliser, stats, chunk_rows=self.logprob_chunk_tokens,
+                         with_entropy=self.log_entropy)
+
+
+def _pack_forward(spec: DecoderSpec, trie: Trie, pack: Pack, head):
+    """The pack's forward and head(segments, hidden) as ONE call of the root (forward_rows' head): under
+    per-layer FSDP the root (embeddings, final norm, LM head) is gathered and reduced once per pack."""
+    device = next(spec.root.parameters()).device
+    nodes = pack.nodes.to(device)
+    segs = range(*torch.searchsorted(trie.seg_start_S, torch.tensor([pack.node_start, pack.node_stop])).tolist())
+    return forward_rows(spec, trie.tokens_N.to(device)[nodes], trie.depth_N.to(device)[nodes],
+                        pack_segments(trie, pack), subtree_end_N=pack_subtree_end(trie, pack).to(device),
+                        head=lambda hidden: head(segs, hidden))[3]
+
+
+def pack_loss(spec: DecoderSpec, trie: Trie, pack: Pack, loss_fn: SequenceLoss, normaliser: LossNormaliser,
+              stats: dict[str, torch.Tensor], *, chunk_rows: int, with_entropy: bool) -> torch.Tensor | None:
+    """One pack's loss (statistics added to `stats`): its forward, LM head and loss in one root call."""
+    return _pack_forward(spec, trie, pack, lambda segs, hidden: unit_loss(
+        spec, trie, segs, pack.nodes, hidden, loss_fn, normaliser, stats, chunk_rows=chunk_rows,
+        with_entropy=with_entropy, inside_root=True))
+
+
+def pack_logprobs(spec: DecoderSpec, trie: Trie, pack: Pack, *, chunk_rows: int):
+    """(log-probs, loss-row slice) of one pack's rows, or None without rows (unit_logprobs), one root call."""
+    return _pack_forward(spec, trie, pack, lambda segs, hidden: unit_logprobs(
+        spec, trie, segs, pack.nodes, hidden, chunk_rows=chunk_rows, with_entropy=False, inside_root=True))
 
 
 # ------------------------------------------------------------------------------------------------- auto

@@ -136,10 +136,11 @@ def trie_stats(trie: Trie, forward_tokens: int, recomputed_tokens: int) -> dict[
 
 
 def unit_logprobs(spec: DecoderSpec, trie: Trie, segs: range, nodes: torch.Tensor, hidden_ND: torch.Tensor, *,
-                  chunk_rows: int, with_entropy: bool):
+                  chunk_rows: int, with_entropy: bool, inside_root: bool = False):
     """Log-probs of the loss rows of trie segments `segs` (consecutive) from the hidden states of their
     nodes `nodes` (ascending): one per distinct (node, label, temperature), read by every sample row that
-    shares it. Returns (logp_R, entropy_R or None, loss-row slice), or None when they have no rows."""
+    shares it. Returns (logp_R, entropy_R or None, loss-row slice), or None when they have no rows.
+    inside_root: called inside the root's forward (forward_rows' head), see row_logprobs."""
     lm = slice(int(trie.seg_lm_ptr_S1[segs.start]), int(trie.seg_lm_ptr_S1[segs.stop]))
     rows = slice(int(trie.seg_row_ptr_S1[segs.start]), int(trie.seg_row_ptr_S1[segs.stop]))
     if lm.start == lm.stop:
@@ -148,16 +149,17 @@ def unit_logprobs(spec: DecoderSpec, trie: Trie, segs: range, nodes: torch.Tenso
     at = torch.searchsorted(nodes, trie.lm_node_U[lm]).to(device)
     logp_U, entropy_U = row_logprobs(spec, hidden_ND[at], trie.lm_label_U[lm].to(device),
                                      trie.lm_temperature_U[lm].to(device), chunk_rows=chunk_rows,
-                                     with_entropy=with_entropy)
+                                     with_entropy=with_entropy, inside_root=inside_root)
     row_lm = (trie.row_lm_R[rows] - lm.start).to(device)
     return logp_U[row_lm], None if entropy_U is None else entropy_U[row_lm], rows
 
 
 def unit_loss(spec: DecoderSpec, trie: Trie, segs: range, nodes: torch.Tensor, hidden_ND: torch.Tensor,
               loss_fn: SequenceLoss, normaliser: LossNormaliser, stats: dict[str, torch.Tensor], *, chunk_rows: int,
-              with_entropy: bool) -> torch.Tensor | None:
+              with_entropy: bool, inside_root: bool = False) -> torch.Tensor | None:
     """The loss of segments `segs` (unit_logprobs through loss_fn; its statistics added to `stats`)."""
-    out = unit_logprobs(spec, trie, segs, nodes, hidden_ND, chunk_rows=chunk_rows, with_entropy=with_entropy)
+    out = unit_logprobs(spec, trie, segs, nodes, hidden_ND, chunk_rows=chunk_rows, with_entropy=with_entropy,
+                        inside_root=inside_root)
     if out is None:
         return None
     logp, entropy, rows = out
@@ -248,8 +250,8 @@ class _Replay:
         self.forward_tokens += lo
         at = nodes.to(self.device)
         with torch.set_grad_enabled(keep and torch.is_grad_enabled()):
-            hidden, keys, values = forward_rows(self.spec, self.tokens_N[at], self.depth_N[at], rows,
-                                                external=[o.kv for o in path])
+            hidden, keys, values, _ = forward_rows(self.spec, self.tokens_N[at], self.depth_N[at], rows,
+                                                   external=[o.kv for o in path])
             loss = unit_loss(self.spec, trie, range(segs[0], segs[-1] + 1), nodes, hidden, self.loss_fn,
                              self.normaliser, self.stats, chunk_rows=self.chunk_rows,
                              with_entropy=self.with_entropy) if keep else None

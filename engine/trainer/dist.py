@@ -5,20 +5,31 @@
                         waits are unbounded (followers idle there between steps; engine/trainer/ranks.py)
     shard_model()       fully_shard per decoder layer, then the root; MixedPrecisionPolicy, CPU offload,
                         activation checkpointing; gradients are summed across ranks (divide factor 1)
-    gathered(model)     a training step: every FSDP unit all-gathered once, gradients accumulate locally
-    reduce_gradients()  ends it: one zero-weight forward/backward with gradient sync on, so every rank runs
-                        the same reduce-scatters whatever its strategy did, then everything reshards
+    step_pass(model)    one pass of a step, by train.fsdp.step_residency:
+      "layer" (default) FSDP2's own per-layer schedule: each unit all-gathers in its forward, reshards after
+                        it (layers), reduce-scatters its gradient (summed) in its backward; the strategies
+                        run their micro-batches in lock step (lockstep(): counts agreed across ranks,
+                        zero-weight padding; engine/core/lockstep.py), so a rank holds about one layer
+                        unsharded plus the root (embeddings, LM head) - never the whole model
+      "full"            gathered(model): every FSDP unit all-gathered once, gradients accumulate locally;
+                        reduce_gradients() ends it with one zero-weight forward/backward with gradient sync
+                        on (the same reduce-scatters on every rank whatever its strategy did); for models
+                        that fit one device, and for depth-first replay, whose order of forwards and
+                        backwards depends on each rank's tries
+    rank_errors()       an exception on one rank is reported naming the rank before it ends the process
+    CollectiveLog       records this rank's all-gathers / reduce-scatters (tests, bench: compare ranks)
+    ResidencyMeter      peak bytes of unsharded parameters + gradients that FSDP holds on this rank
 
-Why one gather per step: branch-replay's depth-first order of forwards and backwards depends on each rank's
-tries, so per-layer collectives would not line up across ranks; gathering once makes a rank's local work
-free of collectives. Parameters and optimizer state stay sharded between steps. Test:
+Parameters and optimizer state stay sharded between steps. Test:
 pytest tests/engine/trainer/test_dist.py (real ranks under torchrun, gloo)
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -120,6 +131,40 @@ def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
         tdist.all_reduce(on_device, op=tdist.ReduceOp.MAX)
         tensor.copy_(on_device)
     return tensor
+
+
+def agree_max(values: Sequence[int]) -> list[int]:
+    """Element-wise maximum over ranks of a list of ints (the same length on every rank)."""
+    return [int(v) for v in all_reduce_max_(torch.tensor(list(values), dtype=torch.int64)).tolist()]
+
+
+def check_schedule(entries: Sequence[object]) -> None:
+    """train.fsdp.check_schedule: every rank all-gathers a hash of its planned schedule `entries`; raises on
+    every rank, naming the ranks whose plan differs from rank 0's, before a collective could hang."""
+    if world_size() == 1:
+        return
+    digest = hashlib.sha256(repr(tuple(entries)).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64).to(_comm_device())
+    hashes = [torch.zeros_like(mine) for _ in range(world_size())]
+    tdist.all_gather(hashes, mine)
+    differ = [r for r, h in enumerate(hashes) if int(h) != int(hashes[0])]
+    if differ:
+        raise RuntimeError(f"train.fsdp.check_schedule: rank(s) {differ} planned a schedule different from rank "
+                           f"0's; rank {rank()} planned {tuple(entries)!r}")
+
+
+@contextmanager
+def rank_errors() -> Iterator[None]:
+    """Report an exception on this rank with its rank number (stderr, at once) and re-raise it: the process
+    ends, torchrun stops the other ranks, and a rank still waiting in a collective fails at
+    train.fsdp.collective_timeout_s at the latest."""
+    try:
+        yield
+    except BaseException as e:
+        if world_size() > 1:
+            print(f"tailrace trainer rank {rank()} of {world_size()} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+        raise
 
 
 def all_reduce_stats_(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -266,6 +311,41 @@ def gathered(model: nn.Module, reshard_after_forward: bool = True) -> Iterator[N
             m.reshard()
 
 
+@contextmanager
+def step_pass(model: nn.Module, config: FSDPConfig, zero_unit: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """One forward/backward pass of a step (module doc): under "full" residency gathered() with
+    reduce_gradients() at the end; under "layer" FSDP's per-layer schedule as sharded (the strategies run
+    in lock step). Gradients land reduced (summed over ranks) in the sharded parameters either way."""
+    if config.step_residency == "full" or not fsdp_modules(model):
+        with gathered(model, config.reshard_after_forward):
+            yield
+            reduce_gradients(model, zero_unit)
+        return
+    yield
+
+
+def layer_residency(model: nn.Module, config: FSDPConfig) -> bool:
+    """Whether a step on `model` runs FSDP's per-layer schedule (strategies in lock step across ranks)."""
+    return config.step_residency == "layer" and bool(fsdp_modules(model))
+
+
+@contextmanager
+def forward_only(model: nn.Module, config: FSDPConfig) -> Iterator[None]:
+    """Forwards without autograd on `model` (reference, proximal log-probs): "full" gathers it for them;
+    "layer" lets each layer gather (and, with reshard_after_forward, reshard) in its forward, and reshards
+    every unit at the end: the root, which FSDP keeps gathered after a forward for a backward that does not
+    come here, and the layers when reshard_after_forward is off."""
+    if not layer_residency(model, config):
+        with gathered(model, config.reshard_after_forward):
+            yield
+        return
+    try:
+        yield
+    finally:
+        for module in fsdp_modules(model):
+            module.reshard()
+
+
 def reduce_gradients(model: nn.Module, zero_unit: Callable[[], torch.Tensor]) -> None:
     """Inside gathered(model): reduce-scatter the accumulated gradients (summed over ranks) into the sharded
     parameters. zero_unit() returns a zero-weight loss that reaches every parameter; its backward, with
@@ -284,3 +364,112 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ----------------------------------------------------------------------------------- instrumentation
+
+_LOGGED = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+           "all_reduce", "all_gather", "broadcast")
+
+
+class CollectiveLog:
+    """Records this rank's collectives while open (rank 0's commands to the followers aside): (name, dtype,
+    elements) per call, FSDP's all-gathers and reduce-scatters included (FSDP2 calls torch.distributed's
+    all_gather_single / reduce_scatter_single by name, so replacing those module attributes sees them).
+    Ranks whose logs are equal ran the same collectives in the same order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self._saved: dict[str, Any] = {}
+        self._depth = 0
+
+    def __enter__(self) -> CollectiveLog:
+        for name in _LOGGED:
+            if hasattr(tdist, name):
+                self._saved[name] = getattr(tdist, name)
+                setattr(tdist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(tdist, name, fn)
+        self._saved = {}
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            # The outermost call only (one collective may be built on another); not rank 0's commands.
+            if not self._depth and kwargs.get("group") is not _command_group:
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                tensor = first[0] if isinstance(first, list) and first else first
+                numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
+                dtype = str(tensor.dtype) if isinstance(tensor, torch.Tensor) else "?"
+                self.calls.append((name, dtype, numel))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return logged
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, _, _ in self.calls:
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+class ResidencyMeter:
+    """Peak bytes of unsharded parameters plus unsharded gradients that FSDP2 holds on this rank, sampled
+    at every unit's post-forward and post-backward (each before FSDP frees anything: the moments of most
+    residency), as a fraction of the model's full parameter bytes P (unsharded_frac).
+
+    Unsharded parameters: the FSDP parameters whose unsharded storage is allocated; gradients: the
+    unsharded .grad tensors not yet reduce-scattered. Without FSDP (one rank) it sees nothing (0)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensors: global
+        self.peak_params = self.peak_grads = self.peak_total = 0
+        self._groups = [g for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def sample(self) -> None:
+        params = grads = 0
+        for group in self._groups:
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is None:
+                    continue
+                params += unsharded.untyped_storage().size()
+                for grad in (unsharded.grad, getattr(fp, "unsharded_accumulated_grad", None)):
+                    if grad is not None:
+                        grads += grad.untyped_storage().size()
+        self.peak_params = max(self.peak_params, params)
+        self.peak_grads = max(self.peak_grads, grads)
+        self.peak_total = max(self.peak_total, params + grads)
+
+    @property
+    def unsharded_frac(self) -> float:
+        """Peak (unsharded parameters + gradients at one moment) / P."""
+        return self.peak_total / self.param_bytes
+
+    def __enter__(self) -> ResidencyMeter:
+        for group in self._groups:
+            for name in ("post_forward", "post_backward"):
+                original = getattr(group, name)
+                self._saved.append((group, name, original))
+                setattr(group, name, self._sampled(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for group, name, _ in self._saved:
+            delattr(group, name)  # back to the class's method
+        self._saved = []
+
+    def _sampled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def sampled(*args: Any, **kwargs: Any) -> Any:
+            self.sample()
+            return fn(*args, **kwargs)
+
+        return sampled

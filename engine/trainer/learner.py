@@ -1,9 +1,11 @@
 """The learner: one step (one policy version) per batch of scored samples, over a Hugging Face causal LM.
 
     step(batch) -> advantages (GRPO, when given groups) -> minibatches of whole groups (ppo.py) -> per
-    epoch, per minibatch: its whole groups to ranks by cost -> [gathered FSDP units] forward/backward
-    strategy (every completion token once, the minibatch's loss normaliser) -> zero-weight unit that
-    reduce-scatters the summed gradients -> clip -> AdamW;  then LR schedule -> policy_version + 1 -> metrics
+    epoch, per minibatch: its whole groups to ranks by cost -> forward/backward strategy (every completion
+    token once, the minibatch's loss normaliser) under dist.step_pass: per-layer FSDP with the strategy's
+    micro-batches in lock step across ranks (train.fsdp.step_residency = "layer"), or every unit gathered
+    and a zero-weight unit that reduce-scatters at the end ("full") -> clip -> AdamW;  then LR schedule ->
+    policy_version + 1 -> metrics
 
 The forward/backward over a batch is a replaceable strategy (`ForwardBackward`): `naive` (padded
 micro-batches) lives here; branch-replay and packed tries register themselves in STRATEGIES.
@@ -25,10 +27,14 @@ import torch
 from torch import nn
 
 from tailrace.engine.config import LoRAConfig, TrainConfig
+from tailrace.engine.core.lockstep import Lockstep
 from tailrace.engine.core.losses import LossNormaliser, SequenceLoss, add_stats
 from tailrace.engine.core.models import run_as_forward
 from tailrace.engine.core.samples import Group, TrainSample, flatten_samples
 from tailrace.engine.replay import STRATEGIES as REPLAY_STRATEGIES
+from tailrace.engine.replay import layered
+from tailrace.engine.replay.layer_major import LayerMajorForwardBackward
+from tailrace.engine.replay.layer_major import sample_logprobs as layer_major_sample_logprobs
 from tailrace.engine.replay.replay import sample_logprobs as replay_sample_logprobs
 from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.trainer import dist, lora, ppo
@@ -162,13 +168,16 @@ def forward_logprobs(
 
 @torch.no_grad()
 def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_batch_tokens: int,
-                    chunk_rows: int) -> list[torch.Tensor]:
+                    chunk_rows: int, lockstep: Lockstep | None = None) -> list[torch.Tensor]:
     """Per-sample completion log-probs [T] on the CPU, without gradient (reference or proximal policy);
-    0.0 at observation tokens (loss_mask False), which get no loss row."""
+    0.0 at observation tokens (loss_mask False), which get no loss row. With a lockstep (per-layer FSDP on
+    several ranks): the micro-batch count agreed, padded forwards."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     lengths = [s.num_tokens - 1 for s in samples]
-    for indices in plan_micro_batches(lengths, micro_batch_tokens):
+    plan = plan_micro_batches(lengths, micro_batch_tokens)
+    agreed = lockstep.agree("naive log-probs", [len(plan)], backward=False)[0] if lockstep else len(plan)
+    for indices in plan:
         mb = collate(samples, indices, device)
         logp_N, _ = forward_logprobs(model, mb, chunk_rows=chunk_rows)
         logp_N = logp_N.cpu()
@@ -176,7 +185,39 @@ def sample_logprobs(model: nn.Module, samples: Sequence[TrainSample], *, micro_b
         for i in indices:
             out[i] = torch.zeros(samples[i].num_completion_tokens, dtype=logp_N.dtype)
             out[i][mb.pos_N.cpu()[sample_idx == i]] = logp_N[sample_idx == i]
+    if lockstep:
+        lockstep.pad_to(len(plan), agreed, backward=False)
     return out
+
+
+def zero_weight_loss(model: nn.Module) -> torch.Tensor:
+    """A one-token forward (one root call: every unit once) whose loss is 0 x log-prob: every parameter
+    gets a (zero) gradient from its backward."""
+    device = next(model.parameters()).device
+    one = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    mb = MicroBatch(one, torch.ones_like(one), one, index, index, index,
+                    torch.ones(1, dtype=torch.float64, device=device), index, index)
+    logp_N, _ = forward_logprobs(model, mb, chunk_rows=1)
+    return logp_N.sum() * 0.0
+
+
+def make_lockstep(model: nn.Module, check_schedule: bool) -> Lockstep:
+    """The Lockstep (engine/core/lockstep.py) of `model` on this process group: padding micro-batches are
+    zero_weight_loss forwards (and backwards); check_schedule: train.fsdp.check_schedule."""
+    num_units = len(dist.fsdp_modules(model))
+
+    def pad(backward: bool) -> None:
+        with torch.set_grad_enabled(backward):
+            loss = zero_weight_loss(model)
+        if backward:
+            loss.backward()
+
+    def check(entries: Sequence[object]) -> None:
+        if check_schedule:
+            dist.check_schedule((*entries, num_units))
+
+    return Lockstep(agree_max=dist.agree_max, pad=pad, check=check)
 
 
 # ------------------------------------------------------------------------------------------- strategies
@@ -206,11 +247,19 @@ class NaiveForwardBackward:
     log_entropy: bool = True
 
     def __call__(self, model: nn.Module, samples: Sequence[TrainSample], loss_fn: SequenceLoss,
-                 normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
+                 normaliser: LossNormaliser, *, lockstep: Lockstep | None = None) -> dict[str, torch.Tensor]:
+        """lockstep (per-layer FSDP on several ranks): the micro-batch count agreed across ranks, zero-weight
+        padding micro-batches after this rank's own (samples may then be empty, loss_fn None)."""
         device = next(model.parameters()).device
         stats: dict[str, torch.Tensor] = {}
         lengths = [s.num_tokens - 1 for s in samples]
-        for indices in plan_micro_batches(lengths, self.micro_batch_tokens):
+        plan = plan_micro_batches(lengths, self.micro_batch_tokens)
+        if lockstep:
+            # A micro-batch without loss tokens (all observations) would give some parameters no gradient
+            # (the LM head) on this rank only, unlike the others' reduce-scatters: left out, it adds nothing.
+            plan = [ix for ix in plan if any(samples[i].num_loss_tokens for i in ix)]
+        agreed = lockstep.agree("naive pass", [len(plan)], backward=True)[0] if lockstep else len(plan)
+        for indices in plan:
             mb = collate(samples, indices, device)
             logp_N, entropy_N = forward_logprobs(model, mb, chunk_rows=self.logprob_chunk_tokens,
                                                  with_entropy=self.log_entropy)
@@ -218,6 +267,8 @@ class NaiveForwardBackward:
             loss.backward()
             part["padded_tokens"] = torch.tensor(float(mb.num_padded_tokens), dtype=torch.float64)
             add_stats(stats, part)
+        if lockstep:
+            lockstep.pad_to(len(plan), agreed, backward=True)
         return stats
 
 
@@ -321,7 +372,16 @@ class Learner:
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
             dist.shard_model(ref_model, config.fsdp, train=False)
+        # Per-layer FSDP on several ranks: the strategies' micro-batches in lock step (engine/core/lockstep.py).
+        self._lockstep = make_lockstep(model, config.fsdp.check_schedule) \
+            if dist.layer_residency(model, config.fsdp) else None
+        self._ref_lockstep = make_lockstep(ref_model, config.fsdp.check_schedule) \
+            if ref_model is not None and dist.layer_residency(ref_model, config.fsdp) else None
         self.forward_backward = forward_backward or STRATEGIES[config.replay](config)
+        if isinstance(self.forward_backward, LayerMajorForwardBackward) and dist.fsdp_modules(self.model) \
+                and self._lockstep is None:
+            raise ValueError('train.replay = "layer_major" runs FSDP\'s per-layer schedule itself; it cannot run '
+                             'with train.fsdp.step_residency = "full" (the whole model gathered): use "layer"')
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.adam_eps,
@@ -368,6 +428,10 @@ class Learner:
         (engine/trainer/ppo.py), one policy version. Groups get GRPO advantages from their rewards; bare
         samples are trained with the advantage they carry. Groups already run by accumulate() (by group id)
         are not run again (one pass, one update). Returns metrics named trainer/<group>/<name>."""
+        with dist.rank_errors():
+            return self._step(batch)
+
+    def _step(self, batch: Sequence[Group] | Sequence[TrainSample]) -> dict[str, float]:
         start_s = time.monotonic()
         samples = flatten_samples(batch)
         if not samples:
@@ -413,19 +477,18 @@ class Learner:
             stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
             for i in range(len(parts)):
                 first = epoch == 0 and i == 0
-                with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-                    if first and len(parts) > 1:
+                if first and len(parts) > 1:
+                    with dist.forward_only(self.model, self.config.fsdp):
                         prox[1:] = ppo.split_like(self._policy_logprobs([s for p in mine[1:] for s in p]), mine[1:])
-                    if not mine[i] and self.config.replay == "layer_major":
-                        self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
-                    elif mine[i]:
+                with dist.step_pass(self.model, self.config.fsdp, self._zero_weight_loss):
+                    loss_fn = None
+                    if mine[i]:
                         loss_fn = StepLoss(mine[i], self.loss, ref_logprobs=ref[i], prox_logprobs=prox[i])
                         if first and self.config.ppo_epochs > 1:
                             loss_fn = ppo.RecordingLoss(loss_fn)
-                        add_stats(stats, self.forward_backward(self.model, mine[i], loss_fn, normalisers[i]))
-                        if isinstance(loss_fn, ppo.RecordingLoss):
-                            prox[0] = loss_fn.per_sample()
-                    dist.reduce_gradients(self.model, self._zero_weight_loss)
+                    add_stats(stats, self._run_strategy(mine[i], loss_fn, normalisers[i]))
+                    if isinstance(loss_fn, ppo.RecordingLoss):
+                        prox[0] = loss_fn.per_sample()
                 updates.append(self._update())
             epoch_stats.append(stats)
         return ppo.reduce_epochs(epoch_stats), updates
@@ -448,14 +511,24 @@ class Learner:
         """This rank's samples' forward/backward (gradients add up in .grad) and summed statistics."""
         stats = {k: torch.zeros((), dtype=torch.float64) for k in (*STAT_KEYS, "padded_tokens")}
         ref_logprobs = self._ref_logprobs(mine)
-        with dist.gathered(self.model, self.config.fsdp.reshard_after_forward):
-            if not mine and self.config.replay == "layer_major":
-                self.forward_backward(self.model, [], None, None)  # its collectives, a padding unit
-            elif mine:
-                loss_fn = StepLoss(mine, self.loss, ref_logprobs=ref_logprobs)
-                add_stats(stats, self.forward_backward(self.model, mine, loss_fn, normaliser))
-            dist.reduce_gradients(self.model, self._zero_weight_loss)
+        with dist.step_pass(self.model, self.config.fsdp, self._zero_weight_loss):
+            loss_fn = StepLoss(mine, self.loss, ref_logprobs=ref_logprobs) if mine else None
+            add_stats(stats, self._run_strategy(mine, loss_fn, normaliser))
         return stats
+
+    def _run_strategy(self, mine: list[TrainSample], loss_fn: SequenceLoss | None,
+                      normaliser: LossNormaliser) -> dict[str, torch.Tensor]:
+        """The strategy on this rank's samples. In lock step with the other ranks under per-layer FSDP (it
+        then runs even without samples: padding micro-batches); otherwise only when there are samples."""
+        if isinstance(self.forward_backward, LayerMajorForwardBackward):
+            # Runs its own per-layer collectives on every rank (a rank without samples: one padding unit).
+            return self.forward_backward(self.model, mine, loss_fn, normaliser)
+        if self._lockstep is None:
+            return self.forward_backward(self.model, mine, loss_fn, normaliser) if mine else {}
+        if layered.is_trie_strategy(self.forward_backward):
+            return layered.run_in_lockstep(self.forward_backward, self.model, mine, loss_fn, normaliser,
+                                           self._lockstep, chunk_rows=self.config.logprob_chunk_tokens)
+        return self.forward_backward(self.model, mine, loss_fn, normaliser, lockstep=self._lockstep)
 
     def _unit_cost(self, unit: Group | TrainSample) -> float:
         """What a group (or bare sample) costs a rank: its unique tokens under the shared-prefix modes."""
@@ -465,13 +538,7 @@ class Learner:
         return float(build_trie(samples).num_unique_tokens)
 
     def _zero_weight_loss(self) -> torch.Tensor:
-        """A one-token forward whose loss is 0 x log-prob: every parameter gets a (zero) gradient."""
-        one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
-        index = torch.zeros(1, dtype=torch.int64, device=self.device)
-        mb = MicroBatch(one, torch.ones_like(one), one, index, index, index,
-                        torch.ones(1, dtype=torch.float64, device=self.device), index, index)
-        logp_N, _ = forward_logprobs(self.model, mb, chunk_rows=1)
-        return logp_N.sum() * 0.0
+        return zero_weight_loss(self.model)
 
     def apply_gradients(self) -> dict[str, float]:
         """One update that is the whole step (DPO): clip, AdamW, LR schedule, count the step; its metrics."""
@@ -506,20 +573,28 @@ class Learner:
 
     def _policy_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """The current policy's per-sample log-probs without autograd, by the strategy's kind of forward
-        (the trie under the shared-prefix modes). Inside gathered(self.model): no collectives of its own."""
+        (the trie under the shared-prefix modes). Inside dist.forward_only(self.model); every rank calls it."""
         chunk = self.config.logprob_chunk_tokens
         if self.config.replay == "naive":
             return sample_logprobs(self.model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
-                                   chunk_rows=chunk)
-        return replay_sample_logprobs(self.model, samples, chunk)
+                                   chunk_rows=chunk, lockstep=self._lockstep)
+        if isinstance(self.forward_backward, LayerMajorForwardBackward):  # every rank, samples or none
+            return layer_major_sample_logprobs(self.model, samples, chunk,
+                                               max_unit_tokens=self.config.micro_batch_tokens)
+        if self._lockstep is not None:
+            return layered.sample_logprobs(self.model, samples, self._lockstep,
+                                           max_tokens=self.config.micro_batch_tokens, chunk_rows=chunk)
+        return replay_sample_logprobs(self.model, samples, chunk) if samples else []
 
     def _ref_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor] | None:
         """Every rank calls this (the sharded reference model is gathered once, whatever its share)."""
         if self.ref_model is None or self.loss.kl_coef == 0.0:
             return None
-        with dist.gathered(self.ref_model, self.config.fsdp.reshard_after_forward):
+        with dist.forward_only(self.ref_model, self.config.fsdp):
+            if not samples and self._ref_lockstep is None:
+                return []
             return sample_logprobs(self.ref_model, samples, micro_batch_tokens=self.config.micro_batch_tokens,
-                                   chunk_rows=self.config.logprob_chunk_tokens) if samples else []
+                                   chunk_rows=self.config.logprob_chunk_tokens, lockstep=self._ref_lockstep)
 
     def state_dict_for_broadcast(self) -> dict[str, torch.Tensor]:
         """CPU copy of the weights (name -> tensor) that later optimizer steps cannot change.

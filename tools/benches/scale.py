@@ -13,7 +13,8 @@ activations autograd would hold for the whole step's logical tokens at once (per
 from the model's shapes), naive_micro_batch_memory_mb = the same for one micro-batch of the replay step's
 train.micro_batch_tokens (tools/benches/replay.MICRO_BATCH_TOKENS).
 --quick: 2 groups of 8 samples of 2048-token prompts (a smoke run, far below 2.1M).
---ranks N: the same step on 1 rank and on N FSDP2 ranks instead (tools/benches/scale_ranks.py).
+--ranks N: the same step on 1 rank and on N FSDP2 ranks instead, plus each mode's peak unsharded residency
+per rank and whether the ranks' collectives were equal (tools/benches/scale_ranks.py).
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--rank-worker":  # one rank of `--ranks N` (scale_ranks.py)
         from tools.benches import scale_ranks
 
-        scale_ranks.worker(sys.argv[2], scale_groups("--quick" in sys.argv[3:]), THREADS)
+        rest = sys.argv[3:]
+        mode = rest[rest.index("--mode") + 1] if "--mode" in rest else ""
+        # The residency steps run on the --quick groups (module doc of scale_ranks.py).
+        scale_ranks.worker(sys.argv[2], scale_groups("--quick" in rest or bool(mode)), THREADS, mode)
     else:
         sys.exit("run through tools/bench.py: python tools/bench.py scale [--quick] [--json] [--ranks N]")

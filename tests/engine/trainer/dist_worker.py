@@ -7,12 +7,15 @@ whose split across ranks is uneven (the last batch is one group: rank 1 has only
 optionally saving a DCP checkpoint after --save-at steps or resuming from --resume. Rank 0 writes the
 served weights (rank 0's gathered state dict) before training and after every step to OUT
 (torch.save). --die-at-step N makes rank 1
-exit hard in the middle of step N (after its forward, before the gradient reduction).
+exit hard in the middle of step N (after its forward, before the gradient reduction); --raise-at-step N
+makes rank 1 raise in the middle of step N's first forward (inside a decoder layer). --instrument records
+each rank's collectives (dist.CollectiveLog) and peak unsharded residency (dist.ResidencyMeter) into OUT.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -23,13 +26,14 @@ import torch
 VOCAB = 64
 
 
-def tiny_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+def tiny_model(arch: str, dtype: torch.dtype, layers: int = 2) -> torch.nn.Module:
     """The trainer tests' learner_model (tests/engine/trainer/conftest.py) with room for 256 positions,
     from the tests' one builder, tests/tiny_lms.py, loaded by its path (this script runs outside pytest)."""
     spec = importlib.util.spec_from_file_location("tiny_lms", Path(__file__).resolve().parents[2] / "tiny_lms.py")
     tiny_lms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny_lms)
-    return tiny_lms.build(arch, dtype=dtype, max_position_embeddings=256, tie_word_embeddings=arch == "qwen2")
+    return tiny_lms.build(arch, dtype=dtype, max_position_embeddings=256, tie_word_embeddings=arch == "qwen2",
+                          num_hidden_layers=layers)
 
 
 def batches():
@@ -83,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers; 0 = full model")
     ap.add_argument("--ppo-epochs", type=int, default=1)
     ap.add_argument("--minibatches", type=int, default=1)
+    ap.add_argument("--step-residency", default="layer")
+    ap.add_argument("--check-schedule", action="store_true")
+    ap.add_argument("--loss-agg", default="token_mean")
+    ap.add_argument("--kl", type=float, default=0.0, help="kl_coef: > 0 adds a reference model (a copy)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--raise-at-step", type=int, default=0)
+    ap.add_argument("--instrument", action="store_true")
+    ap.add_argument("--corrupt-plan", action="store_true", help="rank 1 plans one micro-batch more than agreed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -94,26 +106,53 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(lr=args.lr, adam_eps=args.adam_eps, replay=args.replay, max_grad_norm=0.5, weight_decay=0.01,
                          lr_schedule="linear", steps=10, micro_batch_tokens=48, logprob_chunk_tokens=7,
                          fsdp=FSDPConfig(collective_timeout_s=args.timeout_s, mixed_precision=args.mixed_precision,
-                                         cpu_offload=args.cpu_offload),
+                                         cpu_offload=args.cpu_offload, step_residency=args.step_residency,
+                                         check_schedule=args.check_schedule),
                          gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
-                         minibatches=args.minibatches)
+                         minibatches=args.minibatches, loss_agg=args.loss_agg, kl_coef=args.kl)
     adapters = LoRAConfig(r=args.lora, target_modules=("all-linear",))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    learner = Learner(tiny_model(args.arch, getattr(torch, args.dtype)).to(args.device), config, lora_config=adapters)
+    dtype = getattr(torch, args.dtype)
+    ref = tiny_model(args.arch, dtype, args.layers).to(args.device) if args.kl > 0 else None
+    learner = Learner(tiny_model(args.arch, dtype, args.layers).to(args.device), config, lora_config=adapters,
+                      ref_model=ref)
     if args.die_at_step:
         _die_in_step(learner, args.die_at_step)
+    if args.raise_at_step:
+        _raise_in_step(learner, args.raise_at_step)
+    if args.corrupt_plan and dist.rank() == 1:
+        agree = learner._lockstep.agree_max
+
+        def one_more(values):
+            agreed = agree(values)
+            return [agreed[0] + 1, *agreed[1:]]
+
+        learner._lockstep = dataclasses.replace(learner._lockstep, agree_max=one_more)
     if args.resume:
         checkpoint.load(args.resume, learner)
     out: dict = {"steps": [], "grad_norms": [], "initial": learner.state_dict_for_broadcast()}
+    collectives, meter = dist.CollectiveLog(), dist.ResidencyMeter(learner.model)
     for i, batch in enumerate(batches()[: args.steps]):
         if i < learner.step_count:
             continue  # trained before the checkpoint
-        metrics = learner.step(batch)
+        if args.instrument:
+            with collectives, meter:
+                metrics = learner.step(batch)
+        else:
+            metrics = learner.step(batch)
         out["grad_norms"].append(metrics["trainer/grad/norm"])
         out["steps"].append(learner.state_dict_for_broadcast())
         if args.save_at and learner.step_count == args.save_at:
             checkpoint.save(args.ckpt, learner, data_position={"batch": i + 1})
+    if args.instrument:
+        logs: list = [None] * dist.world_size()
+        if dist.world_size() > 1:
+            torch.distributed.all_gather_object(logs, (collectives.calls, meter.unsharded_frac))
+        else:
+            logs = [(collectives.calls, meter.unsharded_frac)]
+        out["collectives"] = [calls for calls, _ in logs]
+        out["unsharded_frac"] = [frac for _, frac in logs]
     if dist.is_rank0():
         torch.save(out, args.out)
     dist.shutdown()
@@ -134,6 +173,20 @@ def _die_in_step(learner, step: int) -> None:
         return stats
 
     learner.forward_backward = dying
+
+
+def _raise_in_step(learner, step: int) -> None:
+    """Rank 1 raises inside its first decoder layer's first forward of step `step` (rank 0 then waits in
+    a collective of that forward or the next)."""
+    from tailrace.engine.trainer import dist
+
+    mlp = learner.model.get_decoder().layers[0].mlp  # called by the HF forward and by the trie forward
+
+    def hook(module, args):
+        if dist.rank() == 1 and learner.step_count + 1 == step:
+            raise RuntimeError("injected failure in layer 0")
+
+    mlp.register_forward_pre_hook(hook)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,48 @@ def test_learner_gradient_equals_naive_dpo_gradient(replay, exact_model, naive_d
     assert float(stats["unique_tokens"]) < float(stats["logical_tokens"])  # shared prompts ran once
 
 
+@pytest.mark.parametrize("replay", ["packed", "replay"])
+def test_lockstep_path_gives_the_naive_dpo_gradient(replay, exact_model, naive_dpo_grads, cached_exact_model,
+                                                    rel_err, exact_vocab):
+    """The trie strategies in lock step (engine/replay/layered.py, what per-layer FSDP runs on several ranks):
+    DPO's sequence log-probs by packs, one root call per pack, padding micro-batches after the agreed count
+    (here one more than this rank's: a zero-weight pack that must not change the gradient)."""
+    from tailrace.engine.core.lockstep import Lockstep
+    from tailrace.engine.replay import STRATEGIES, layered
+    from tailrace.engine.replay.dpo_loss import DPOLoss, sequence_logprobs
+    from tailrace.engine.trainer.learner import zero_weight_loss
+    from tailrace.engine.trainer.loss import LossNormaliser
+
+    gen = torch.Generator().manual_seed(4)
+    pairs = [PreferencePair(i, torch.randint(0, exact_vocab, (5,), generator=gen).tolist(),
+                            *(torch.randint(0, exact_vocab, (n,), generator=gen).tolist() for n in (4, 2)))
+             for i in range(3)]
+    samples = pair_samples(pairs, 0)
+    ref = exact_model("llama", seed=1)
+    model = copy.deepcopy(cached_exact_model("llama")).train()
+    ref_S = sequence_logprobs(ref, samples, 7)
+    pads = []
+
+    def pad(backward):
+        pads.append(backward)
+        with torch.set_grad_enabled(backward):
+            loss = zero_weight_loss(model)
+        if backward:
+            loss.backward()
+
+    lockstep = Lockstep(agree_max=lambda v: [v[0] + 1, *v[1:]], pad=pad, check=lambda entries: None)
+    loss_fn = DPOLoss([(2 * i, 2 * i + 1) for i in range(3)], ref_S, beta=0.5)
+    strategy = STRATEGIES[replay](TrainConfig(replay=replay, micro_batch_tokens=64, logprob_chunk_tokens=7))
+    stats = layered.run_in_lockstep(strategy, model, samples, loss_fn, LossNormaliser.from_samples(samples),
+                                    lockstep, chunk_rows=7)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    expected, expected_loss = naive_dpo_grads(model, samples, [(2 * i, 2 * i + 1) for i in range(3)],
+                                              ref_S.double(), 0.5)
+    assert rel_err(got, expected) <= 1e-9
+    assert float(stats["loss_dpo"]) == pytest.approx(expected_loss, rel=1e-12)
+    assert pads == [True]  # one padding pack; the sequence log-probs ran on no padding (none agreed)
+
+
 def test_policy_equal_to_reference_has_zero_margin(cached_exact_model):
     samples_model = cached_exact_model("llama")
     learner = DPOLearner(copy.deepcopy(samples_model), TrainConfig(replay="replay", dpo_beta=0.1))
