@@ -6,7 +6,8 @@
                    rollout came in, no step trained)
                    diagnose() names what blocks progress, most specific first: completions waiting for a
                    reward server of a task, no generator connected (or, when trainer.expected_generators
-                   are being started, as by `tailrace run`: still waiting for them), samples held by a
+                   are being started, as by `tailrace run`: still waiting for them), no environment server
+                   for multi-turn episodes (env.max_turns > 1), samples held by a
                    generator (and when its lease ends), every generator parked; said on the log, as Event "stall" on the
                    notice socket (`tailrace run` prints it under its bar), and again every STALL_REPEAT_S
                    while it lasts; Event "stall_over" when training resumes.
@@ -53,6 +54,9 @@ class Situation:
     groups_complete: int
     groups_per_step: int
     scoring: int  # completions being scored
+    episodes: bool = False  # multi-turn episodes (env.max_turns > 1): generators need an environment server
+    env_servers: int = 0  # environment servers attached (role "env")
+    env_wait_for_server_s: float = 0.0
 
 
 def diagnose(s: Situation) -> str:
@@ -69,6 +73,10 @@ def diagnose(s: Situation) -> str:
                 f"to connect (none yet; each loads the model first, and its log says how far it got)")
     if not s.generators:
         return f"{waiting}: no generator connected (start one: tailrace generator --connect ADDR)"
+    if s.episodes and not s.env_servers and s.generators:
+        return (f"{waiting}: no environment server attached; multi-turn episodes (env.max_turns > 1) end as "
+                f"no_env_server after env.wait_for_server_s = {s.env_wait_for_server_s:g} s "
+                f"(attach one: tailrace env module:Class --connect ADDR)")
     if s.held:
         holders = ", ".join(f"{name} holds {n}" for name, n in sorted(s.held.items()))
         lease = ""
@@ -115,6 +123,7 @@ def situation(service: WatchedService, now: float) -> Situation:
             held[group.assigned[sid]] += 1
     next_lease = ctrl.next_lease_end()
     generators = [p.name for p in service.server.peers.values() if p.role == "generator"]
+    env_servers = sum(p.role == "env" for p in service.server.peers.values())
     return Situation(
         waiting_s=now - max(service.waiting_since_s or now, service.progress_s),
         reward_waiting=dict(service.rewards.waiting) if service.rewards else {},
@@ -123,7 +132,9 @@ def situation(service: WatchedService, now: float) -> Situation:
         parked=len(service.parked), held=dict(held),
         next_lease=(next_lease[0] - now, next_lease[1]) if next_lease else None,
         groups_in_flight=len(ctrl.groups), groups_complete=len(ctrl.complete) + len(ctrl.step_groups),
-        groups_per_step=ctrl.groups_per_step, scoring=len(service.scoring))
+        groups_per_step=ctrl.groups_per_step, scoring=len(service.scoring),
+        episodes=service.cfg.env.max_turns > 1, env_servers=env_servers,
+        env_wait_for_server_s=service.cfg.env.wait_for_server_s)
 
 
 async def watch(service: WatchedService, interval_s: float = 1.0) -> None:

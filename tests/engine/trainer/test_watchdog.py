@@ -43,3 +43,15 @@ def test_scoring_parked_and_the_plain_count():
     assert "4 completions being scored" in say(scoring=4)
     assert "every generator is parked (3 groups in flight, 1/8 complete" in say(parked=2)
     assert say().endswith("3 groups in flight, 1/8 complete for the step")
+
+
+def test_multi_turn_episodes_without_an_environment_server_are_named():
+    """env.max_turns > 1 and no environment server attached: said before the samples the generators
+    hold (they wait on it), with what happens to them and how to attach one; single-turn runs never."""
+    text = say(episodes=True, env_wait_for_server_s=60.0, held={"gen-0": 8})
+    assert text == ("no progress for 12 s: no environment server attached; multi-turn episodes (env.max_turns > 1) "
+                    "end as no_env_server after env.wait_for_server_s = 60 s (attach one: tailrace env "
+                    "module:Class --connect ADDR)")
+    assert "gen-0 holds 8" in say(episodes=True, env_servers=1, held={"gen-0": 8})
+    assert "environment" not in say(held={"gen-0": 8})
+    assert "no generator connected" in say(episodes=True, generators=[])
