@@ -29,6 +29,20 @@ def _check(cond: bool, name: str, text: str) -> None:
         raise ValueError(f"{name}: {text}")
 
 
+MAX_STOP_STRINGS = 16  # env.stop_strings: strings at most
+MAX_STOP_CHARS = 64  # env.stop_strings: characters per string at most
+
+
+def check_stop_strings(strings: Any, name: str) -> None:
+    """ValueError naming the setting unless `strings` is a list of at most MAX_STOP_STRINGS non-empty strings
+    of at most MAX_STOP_CHARS characters each (engine/generator/stop_strings.py checks its own with it)."""
+    _check(isinstance(strings, list | tuple), name, f"expected a list of strings, got {strings!r}")
+    _check(len(strings) <= MAX_STOP_STRINGS, name, f"{len(strings)} stop strings, at most {MAX_STOP_STRINGS}")
+    for s in strings:
+        _check(isinstance(s, str) and bool(s), name, f"{s!r}: every stop string must be a non-empty string")
+        _check(len(s) <= MAX_STOP_CHARS, name, f"{s[:16]!r}... has {len(s)} characters, at most {MAX_STOP_CHARS}")
+
+
 @dataclass(kw_only=True)
 class LoRAConfig:
     """Low-rank adapters trained instead of the full model (engine/trainer/lora.py, peft); r = 0 = off."""
@@ -375,6 +389,7 @@ class EnvConfig:
     timeout_s: float = 30.0  # per reset / step request to an environment server
     wait_for_server_s: float = 60.0  # how long an episode waits for an environment server to attach (then: discarded, no_env_server)
     server: str = ""  # module:Class of a Python environment that `tailrace run` serves itself (an environment server process); "" = attach your own
+    stop_strings: tuple[str, ...] = ()  # strings that end an assistant turn, besides its stop tokens: the turn ends at the token whose text completes one (that token is kept and trained on); set them in the TOML file (the command line splits at commas and strips spaces)
 
     def __post_init__(self):
         _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
@@ -383,6 +398,10 @@ class EnvConfig:
         _check(self.wait_for_server_s >= 0, "env.wait_for_server_s", "must be >= 0")
         module, sep, attr = self.server.partition(":")
         _check(not self.server or bool(sep and module and attr), "env.server", f"{self.server!r}: expected module:Class")
+        check_stop_strings(self.stop_strings, "env.stop_strings")
+        _check(not self.stop_strings or self.max_turns > 1, "env.stop_strings",
+               "end assistant turns of multi-turn episodes (env.max_turns > 1); a single-turn sample ends on stop "
+               "token ids only")
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,8 @@ turns (torch_backend/backend.py: Request.episode, resume, finish).
     admit(item)        one task per sample: env.reset -> op "add" (Request(episode=True), max_new_tokens = the
                        episode's token budget, observation_ids = the first observation's tokens, fed after the
                        prompt as the completion's first, masked, tokens: the prompt stays the one handed out)
-    on_finished(fin)   "turn" (the row is parked): a task: env.step(assistant text) -> op "resume" with the
+    on_finished(fin)   "turn" (the row is parked: a stop token, a token completing one of env.stop_strings, or the
+                       per-turn cap ended the turn): a task: env.step(assistant text) -> op "resume" with the
                        observation's tokens, or op "finish" (done, env.max_turns, budget, EnvironmentError)
                        an episode's last Finished: its env_reward set; env.close as a task; returned to send
     apply(backend)     the owner's loop, between backend steps: runs the ops queued by the tasks; returns
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ import torch
 
 from tailrace.engine.generator.environment import Environment, EnvironmentError, EpisodeKey, Observation
 from tailrace.engine.generator.requests import Finished, Request
+from tailrace.engine.generator.stop_strings import StopStrings
 
 log = logging.getLogger("tailrace.generator.episodes")
 
@@ -56,11 +59,13 @@ class EpisodeSettings:
     timeout_s: float  # per environment call: past it, the call fails with env_timeout
     wait_for_server_s: float = 0.0  # a reset may also wait this long for a server to attach
     backstop_s: float = 0.0  # added to every deadline (BACKSTOP_S with the run's config)
+    stop_strings: tuple[str, ...] = ()  # end an assistant turn at the token that completes one (stop_strings.py)
 
     @classmethod
     def from_config(cls, env: Any) -> EpisodeSettings:
         """From the run's EnvConfig (engine/config.py env.*)."""
-        return cls(env.max_turns, env.max_episode_tokens, env.timeout_s, env.wait_for_server_s, BACKSTOP_S)
+        return cls(env.max_turns, env.max_episode_tokens, env.timeout_s, env.wait_for_server_s, BACKSTOP_S,
+                   tuple(env.stop_strings))
 
 
 class ChatRenderer:
@@ -150,6 +155,10 @@ class Episodes:
         self.env = env
         self.chat = ChatRenderer(tokenizer)
         self.settings = settings
+        # Matched against a turn's text as env.step receives it (special tokens skipped), decoded incrementally.
+        decode = functools.partial(self.chat.decode, skip_special_tokens=True)
+        self.stop_strings = (StopStrings(settings.stop_strings, decode, name="env.stop_strings")
+                             if settings.stop_strings else None)
         self.notify = notify
         self.live: dict[tuple[int, int], _Episode] = {}
         self.ops: collections.deque[tuple] = collections.deque()
@@ -296,7 +305,8 @@ class Episodes:
         sampling = msgspec.structs.replace(item.sampling, max_new_tokens=budget)
         ep.num_fed = len(first_ids)
         self._queue("add", ep, Request(ep.key.group_id, ep.key.sample_id, prompt, sampling, episode=True,
-                                       observation_ids=tuple(first_ids), max_turn_tokens=per_turn))
+                                       observation_ids=tuple(first_ids), max_turn_tokens=per_turn,
+                                       stop_strings=self.stop_strings))
 
     async def _step(self, ep: _Episode, turn: Finished) -> None:
         completion = turn.completion_ids.tolist()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tailrace.engine.generator.stop_strings import StopStrings
 from tailrace.protocol.messages import SamplingParams, WorkItem
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -40,6 +41,9 @@ class Request:
     observation_ids: tuple[int, ...] = ()
     # An episode's cap per assistant turn (0 = none): a turn that reaches it ends as at a stop token.
     max_turn_tokens: int = 0
+    # Strings that end an assistant turn (an episode's; a single-turn sample's completion) as a stop token does:
+    # at the token whose text completes one, that token kept (stop_strings.py). Torch backend only.
+    stop_strings: StopStrings | None = None
 
     @property
     def fed_prompt(self) -> list[int]:
@@ -58,7 +62,8 @@ def requests_for(item: WorkItem) -> list[Request]:
 class Finished:
     """A sample that left the backend. Tensors are 1-D, on the CPU, one entry per completion token.
 
-    finish_reason: "stop" (a stop token or eos was sampled; it is the last completion token),
+    finish_reason: "stop" (a stop token or eos was sampled, or a token that completes one of
+    Request.stop_strings; it is the last completion token),
     "length" (max_new_tokens or max_model_len reached) or "cancelled"; for an episode row also "turn" (an
     assistant turn ended: the row is parked with its cache until Backend.resume / finish; the episode loop
     consumes it, it never leaves the generator) and an environment's discard reason (EnvironmentError.reason). queue_s: seconds from add()

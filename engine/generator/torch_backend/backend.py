@@ -17,7 +17,7 @@ off, eagle@k or the model-free suffix@k) replaces the decode step by speculative
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Multi-turn episodes (Request.episode): a row whose assistant turn ends (any stop token: eos, the chat template's
-end-of-turn token, the request's stop ids) leaves the batch as Finished "turn" with its cached keys/values copied
+end-of-turn token, the request's stop ids; a token that completes one of Request.stop_strings) leaves the batch as Finished "turn" with its cached keys/values copied
 out (parked); resume(key, observation) brings it back into a free row at a later admission and prefills the
 observation against that cache, then decoding goes on in the same row; finish(key, reason) ends it. A parked
 row holds no batch row, but counts against capacity() until it is finished, so the service never takes more
@@ -58,6 +58,7 @@ from tailrace.engine.generator.speculation.speculative import (
     SpeculativeDecoder,
     as_arm,
 )
+from tailrace.engine.generator.stop_strings import StopScan
 from tailrace.engine.generator.torch_backend.graphs import StaticForwards, resolve_mode
 from tailrace.engine.generator.torch_backend.kv import SlotKVCache
 from tailrace.engine.generator.torch_backend.rows import RowState
@@ -76,6 +77,7 @@ class _Seq:
     tree_done: bool = False  # a held sample given back: it runs as an ordinary request
     suffix: object = None  # speculative decoding: the sample's text in its prompt's suffix index
     num_turns: int = 1  # episodes: assistant turns so far, this one included
+    stop_scan: StopScan | None = None  # Request.stop_strings: the current turn's scan
 
 
 @dataclass
@@ -272,9 +274,12 @@ class TorchBackend:
         check_request(request, max_model_len=self.max_model_len, vocab_size=self._vocab_size)
         if request.episode and self.tree is not None:
             raise ValueError("tree sampling (generator.fork_depths) does not run multi-turn episodes (env.max_turns > 1)")
+        if request.stop_strings is not None and self.tree is not None:
+            raise ValueError("tree sampling (generator.fork_depths) does not run requests with stop strings")
         seed = request.sampling.seed
         gen = self._generator if seed is None else request_generator(seed, request.sample_id)
-        self._waiting.append(_Seq(request, gen, time.monotonic()))
+        scan = None if request.stop_strings is None else request.stop_strings.scan()
+        self._waiting.append(_Seq(request, gen, time.monotonic(), stop_scan=scan))
 
     @torch.inference_mode()
     def cancel(self, group_ids: Iterable[int]) -> list[Finished]:
@@ -309,6 +314,8 @@ class TorchBackend:
                              f"{limit} completion tokens ({num_gen} used)")
         del self._parked[key]
         parked.seq.num_turns += 1
+        if parked.seq.request.stop_strings is not None:  # the new turn's text starts empty
+            parked.seq.stop_scan = parked.seq.request.stop_strings.scan()
         self._resuming.append((parked, ids))
 
     def finish(self, key: tuple[int, int], reason: str) -> Finished:
@@ -560,7 +567,11 @@ class TorchBackend:
         self.rows.pos_R[rows] += 1
         self.rows.pending_R[rows] = tokens_B
         self.stats.num_generated_tokens += num_rows
-        return self._collect_done((self.rows.stop_RS[rows] == tokens_B[:, None]).any(-1), num_gen_B, rows)
+        hit_B = (self.rows.stop_RS[rows] == tokens_B[:, None]).any(-1)
+        scanned = self._scan_stop_strings(tokens_B[:, None], torch.ones_like(tokens_B))
+        if scanned is not None:
+            hit_B |= scanned[1]
+        return self._collect_done(hit_B, num_gen_B, rows)
 
     def _collect_done(self, hit_B: torch.Tensor, num_gen_B: torch.Tensor, rows: slice) -> list[Finished]:
         """After a step: stamp first-token times, finish rows that hit a stop token or their budget."""
@@ -588,8 +599,9 @@ class TorchBackend:
         return OFF if self._spec is None else as_arm(self._depth_policy.choose(num_rows))
 
     def _speculative_step(self, arm: Arm) -> list[Finished]:
-        """One speculative step (speculation/speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens and
-        at their budget."""
+        """One speculative step (speculation/speculative.py): rows emit 1..k+1 tokens each, cut at stop tokens, after
+        a token that completes a stop string, and at their budget: a row emits exactly the tokens a plain step
+        would have, one by one, up to its end."""
         num_rows, k = self.rows.num_rows, arm.k
         rows, arange_B = slice(0, num_rows), self.rows.arange_R[:num_rows]
         tokens_BN, logprobs_BN, num_accepted_B, hidden_BNH = self._spec.step(arm)
@@ -599,9 +611,12 @@ class TorchBackend:
         num_gen_B = self.rows.num_gen_R[rows]  # a view: the += below advances the row state itself
         num_emit_B = torch.minimum(torch.minimum(num_accepted_B + 1, first_stop_B),
                                    self.rows.turn_end_R[rows] - num_gen_B)
+        scanned = self._scan_stop_strings(tokens_BN, num_emit_B)  # cuts emission after a stop string
+        if scanned is not None:
+            num_emit_B = scanned[0]
         last_B = num_emit_B - 1
         # Emission is cut at the first stop, so only the last emitted token can be one.
-        hit_B = stop_BN[arange_B, last_B]
+        hit_B = stop_BN[arange_B, last_B] if scanned is None else stop_BN[arange_B, last_B] | scanned[1]
         done_B = hit_B | (num_gen_B + num_emit_B >= self.rows.turn_end_R[rows])
         stop_B = hit_B | (num_gen_B + num_emit_B < self.rows.limit_R[rows])  # as in _collect_done
         # The step's one host sync: emitted tokens (the total and the widest row), accepted drafts (for
@@ -622,6 +637,31 @@ class TorchBackend:
         self._stamp_first_tokens()
         done_rows = [row for row, is_done in enumerate(done) if is_done]
         return self._finish_rows(done_rows, ["stop" if hit[row] else "length" for row in done_rows])
+
+    def _scan_stop_strings(self, tokens_BN: torch.Tensor,
+                           num_emit_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows with stop strings (Request.stop_strings) scan the first num_emit_B of their step's tokens
+        tokens_BN, in order: emission ends after a token that completes a stop string. Returns the emission
+        counts so cut and the rows cut there (bool [B]), or None when no running row has stop strings. A
+        step with such rows takes one more host sync: their tokens."""
+        scanning = [row for row, seq in enumerate(self.rows.seqs) if seq.stop_scan is not None]
+        if not scanning:
+            return None
+        index = torch.tensor(scanning, device=self.device)
+        host = torch.cat((num_emit_B[index, None], tokens_BN[index]), dim=1).tolist()
+        cut_rows, cuts = [], []
+        for row, (count, *tokens) in zip(scanning, host, strict=True):
+            num = self.rows.seqs[row].stop_scan.feed(tokens[:count])
+            if num:
+                cut_rows.append(row)
+                cuts.append(num)
+        hit_B = torch.zeros(num_emit_B.shape, dtype=torch.bool, device=self.device)
+        if cut_rows:
+            index = torch.tensor(cut_rows, device=self.device)
+            num_emit_B = num_emit_B.clone()
+            num_emit_B[index] = torch.tensor(cuts, dtype=num_emit_B.dtype, device=self.device)
+            hit_B[index] = True
+        return num_emit_B, hit_B
 
     def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
         """Build the Finished of these running rows and remove them from the batch."""
