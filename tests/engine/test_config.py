@@ -26,6 +26,9 @@ def test_defaults_and_overrides(tmp_path):
     (["train.steps", "3"], "expected --section.name"),
     (["--env.max_turns", "3", "--generator.backend", "vllm"], "env.max_turns: 3 turns: .* \"torch\" only"),
     (["--env.max_turns", "2", "--generator.tree_fork_depths", "4"], "env.max_turns: .*tree_fork_depths"),
+    (["--env.stop_strings", "ab"], "env.stop_strings: .*multi-turn"),
+    (["--env.max_turns", "2", "--env.stop_strings", "a,,b"], "env.stop_strings: '': .*non-empty"),
+    (["--env.max_turns", "2", "--env.stop_strings", "x" * 65], "env.stop_strings: .*at most 64"),
 ])
 def test_bad_settings_name_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -70,3 +73,12 @@ def test_speculation_values_old_and_new():
         load_config(None, ["--generator.speculation", "medusa"])
     resolved = load_config(None, ["--generator.speculation", "true"])
     assert from_dict(RunConfig, tomllib.loads(to_toml(resolved))).generator.speculation == "on"
+
+
+def test_stop_strings_from_toml_keep_whitespace(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[env]\nmax_turns = 2\nstop_strings = ["\\n\\n", " </answer>"]\n')
+    cfg = load_config(path)
+    assert cfg.env.stop_strings == ("\n\n", " </answer>")
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg

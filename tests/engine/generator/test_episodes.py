@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tailrace.engine.config import EnvConfig
 from tailrace.engine.core import models
 from tailrace.engine.generator.environment import Environment, EnvironmentError, Observation
 from tailrace.engine.generator.episodes import Episodes, EpisodeSettings
@@ -111,14 +112,15 @@ def _item(prompt_ids, num, sp, group=0):
 
 
 def _run(model, tokenizer, env, *, num=4, max_turns=3, max_episode_tokens=0, timeout_s=5.0, max_new_tokens=90,
-         max_batch_size=3, temperature=1.0, stops=STOPS, wait_for_server_s=0.0):
+         max_batch_size=3, temperature=1.0, stops=STOPS, wait_for_server_s=0.0, stop_strings=()):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "count"}], add_generation_prompt=True,
                                            tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stops, seed=5)
     backend = TorchBackend(model, max_batch_size=max_batch_size, max_model_len=128,
                            eos_token_ids=[tokenizer.eos_token_id])
-    episodes = Episodes(env, tokenizer, EpisodeSettings(max_turns, max_episode_tokens, timeout_s, wait_for_server_s))
+    episodes = Episodes(env, tokenizer, EpisodeSettings(max_turns, max_episode_tokens, timeout_s, wait_for_server_s,
+                                                        stop_strings=stop_strings))
     out, ended_s = asyncio.run(drive(backend, episodes, [_item(prompt_ids, num, sp)]))
     assert backend.num_parked == backend.num_running == backend.num_waiting == 0 and not episodes.live
     return out, ended_s, prompt_ids
@@ -342,3 +344,27 @@ def test_with_an_episode_budget_max_new_tokens_caps_each_turn(model, tokenizer):
         turns = _turns(fin)[1:]  # after the first observation
         assert len(turns) == fin.num_turns == 4 and len(env.actions[sample_id]) == 4
         assert all(len(a) <= 4 for a, _ in turns) and any(len(a) == 4 for a, _ in turns)
+
+
+def test_env_stop_strings_end_assistant_turns(model, tokenizer):
+    # env.stop_strings reach the backend through EpisodeSettings: without stop ids, a turn ends at the first
+    # token whose text (as env.step receives it) completes one, at "<eos>" (the template's end of turn) or at the
+    # per-turn cap; the completing token is kept, and the environment sees it in the turn's text.
+    stops = EpisodeSettings.from_config(EnvConfig(max_turns=4, stop_strings=["e", "o", "ab"])).stop_strings
+    assert stops == ("e", "o", "ab")
+    env = Scripted(steps=("ok",))
+    out, _, _ = _run(model, tokenizer, env, num=4, max_turns=4, max_episode_tokens=80, max_new_tokens=12, stops=[],
+                     stop_strings=stops)
+    num_by_string = 0
+    for sample_id, fin in out.items():
+        for t, (assistant, _) in enumerate(_turns(fin)[1:fin.num_turns]):  # the turns the environment answered
+            text = tokenizer.decode(assistant, skip_special_tokens=True)
+            assert env.actions[sample_id][t] == text
+            first = next((n for n in range(1, len(assistant) + 1)
+                          if any(s in tokenizer.decode(assistant[:n], skip_special_tokens=True) for s in stops)), 0)
+            if first:  # a stop string: the turn ends at its completing token
+                assert first == len(assistant)
+                num_by_string += 1
+            else:
+                assert assistant[-1] == tokenizer.eos_token_id or len(assistant) == 12
+    assert num_by_string >= 4

@@ -5,6 +5,8 @@ speculative decoding stays token-for-token exact under greedy across turns.
 Run: pytest tests/engine/generator/torch_backend/test_episode_rows.py
 """
 
+import random
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from tailrace.engine.core.drafter import Drafter
 from tailrace.engine.generator.requests import Request
 from tailrace.engine.generator.speculation.drafter_training import KeyRecorder
 from tailrace.engine.generator.speculation.speculative import FixedDepth
+from tailrace.engine.generator.stop_strings import StopScan, StopStrings
 from tailrace.engine.generator.torch_backend.backend import TorchBackend
 from tailrace.protocol.messages import SamplingParams
 
@@ -249,3 +252,123 @@ def test_a_turn_cap_ends_the_turn_as_a_stop_would(model, prompts, spec_backend, 
     done, turns = _episodes(TorchBackend(model, max_batch_size=1, max_model_len=100), reqs, max_turns=5)
     assert [len(t.completion_ids) for t in turns[9, 0]] == [25, 25 + 3 + 25] and done[9, 0].finish_reason == "length"
     assert len(done[9, 0].completion_ids) == 60  # the third turn cut by the budget: 25 + 3 + 25 + 1 + 6
+
+
+def _pieces() -> list[str]:
+    """A decoder's text per id: nothing for the 4 special ids, 1 to 3 letters for the others (a stop string
+    can end inside a token)."""
+    rng = random.Random(0)
+    return [""] * 4 + ["".join(rng.choice("abcdefg") for _ in range(rng.randrange(1, 4))) for _ in range(60)]
+
+
+PIECES = _pieces()
+NUM = 6  # episodes in the stop-string tests
+
+
+def _decode(ids) -> str:
+    return "".join(PIECES[i] for i in ids)
+
+
+def _first_stop(tokens: list[int], stop: str) -> int:
+    """The brute force: the number of tokens up to the first whose text completes `stop`, else 0."""
+    return next((n for n in range(1, len(tokens) + 1) if stop in _decode(tokens[:n])), 0)
+
+
+class _RecordingStops(StopStrings):
+    """Stop strings whose scans record each feed: (tokens offered, tokens up to the stop or 0)."""
+
+    feeds: list
+
+    def scan(self) -> StopScan:
+        return _RecordingScan(self)
+
+
+class _RecordingScan(StopScan):
+    def feed(self, tokens):
+        num = super().feed(tokens)
+        self.stops.feeds.append((len(tokens), num))
+        return num
+
+
+def _turn_stops(model, prompts) -> tuple[list[list[int]], list[str], list[int]]:
+    """Greedy first turns of 20 tokens (no stop), and per prompt a stop string made of the last letter of one
+    token and the first of the next that first occurs there, as late as possible: its expected turn length."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=60)
+    reqs = [Request(i, 0, p, sp, episode=True, max_turn_tokens=20) for i, p in enumerate(prompts(NUM, seed=17))]
+    _, turns = _episodes(TorchBackend(model, max_batch_size=NUM, max_model_len=100), reqs, max_turns=1)
+    firsts, stops, lengths = [], [], []
+    for i in range(NUM):
+        first = turns[i, 0][0].completion_ids.tolist()
+        assert len(first) == 20
+        candidates = [(j + 1, PIECES[first[j - 1]][-1] + PIECES[first[j]][0]) for j in range(1, 20)
+                      if PIECES[first[j - 1]] and PIECES[first[j]]]
+        num, stop = max((n, s) for n, s in candidates if _first_stop(first, s) == n < 20)
+        firsts.append(first)
+        stops.append(stop)
+        lengths.append(num)
+    return firsts, stops, lengths
+
+
+def _stop_string_requests(prompts, stops, feeds, *, episode=True):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=60)
+    out = []
+    for i, (prompt, stop) in enumerate(zip(prompts(NUM, seed=17), stops, strict=True)):
+        strings = _RecordingStops([stop], _decode)
+        strings.feeds = feeds
+        out.append(Request(i, 0, prompt, sp, episode=episode, max_turn_tokens=20 if episode else 0,
+                           stop_strings=strings))
+    return out
+
+
+def test_a_stop_string_across_tokens_ends_the_turn_at_its_completing_token(model, prompts, spec_backend):
+    firsts, stops, lengths = _turn_stops(model, prompts)
+    feeds = []
+    plain, turns = _episodes(TorchBackend(model, max_batch_size=NUM, max_model_len=100),
+                             _stop_string_requests(prompts, stops, feeds))
+    for i in range(NUM):
+        assert turns[i, 0][0].completion_ids.tolist() == firsts[i][:lengths[i]]
+        assert turns[i, 0][0].finish_reason == "turn"
+        fin, start = plain[i, 0], 0
+        with torch.no_grad():  # greedy over the kept cache: each sampled token is a fresh forward's argmax
+            argmax = model(torch.tensor([fin.prompt_ids + fin.completion_ids.tolist()])).logits[0].argmax(-1)
+        assert (argmax[len(fin.prompt_ids) - 1:-1] == fin.completion_ids)[fin.loss_mask].all()
+        # Every turn ends at the first token whose text completes the string, or at the turn cap without it.
+        ids, mask = fin.completion_ids.tolist(), fin.loss_mask.tolist()
+        for turn in turns[i, 0]:
+            sampled = [t for t, m in zip(ids[start:len(turn.completion_ids)], mask[start:], strict=False) if m]
+            assert _first_stop(sampled, stops[i]) in (len(sampled), 0 if len(sampled) == 20 else -1)
+            start = len(turn.completion_ids)
+    assert all(num in (0, offered) for offered, num in feeds)  # a plain step offers one token
+    # A single-turn sample ends there too ("stop"), its stop string's tokens kept.
+    single, _ = _episodes(TorchBackend(model, max_batch_size=NUM, max_model_len=100),
+                          _stop_string_requests(prompts, stops, [], episode=False))
+    for i in range(NUM):
+        assert single[i, 0].finish_reason == "stop" and single[i, 0].completion_ids.tolist() == firsts[i][:lengths[i]]
+    # Speculative steps emit exactly the plain steps' tokens: drafts accepted past the stop string are cut.
+    feeds.clear()
+    for kind in ("suffix", "eagle"):
+        backend = spec_backend(model, Drafter.for_policy(model, seed=2), 4, kind=kind, max_batch_size=NUM,
+                               max_model_len=100)
+        spec, _ = _episodes(backend, _stop_string_requests(prompts, stops, feeds))
+        for key, fin in plain.items():
+            assert spec[key].completion_ids.tolist() == fin.completion_ids.tolist(), (kind, key)
+            assert spec[key].loss_mask.tolist() == fin.loss_mask.tolist()
+    assert any(0 < num < offered for offered, num in feeds), "no speculative step was cut at a stop string"
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_stop_strings_that_never_occur_change_nothing(model, prompts, spec_backend, k):
+    # Sampled (seeded), with stop ids and a turn cap: a stop string no token can produce leaves every token.
+    def run(stop_strings):
+        sp = [SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=STOPS, seed=s) for s in range(3)]
+        reqs = [Request(i, 0, p, sp[i], episode=True, max_turn_tokens=12, stop_strings=stop_strings)
+                for i, p in enumerate(prompts(3, seed=18))]
+        backend = (TorchBackend(model, max_batch_size=3, max_model_len=100) if k == 0 else
+                   spec_backend(model, None, k, kind="suffix_only", max_batch_size=3, max_model_len=100))
+        return _episodes(backend, reqs)[0]
+
+    without, with_stops = run(None), run(StopStrings(["h", "€"], _decode))
+    for key, fin in without.items():
+        assert with_stops[key].completion_ids.tolist() == fin.completion_ids.tolist()
+        assert with_stops[key].loss_mask.tolist() == fin.loss_mask.tolist()
+        assert with_stops[key].finish_reason == fin.finish_reason
