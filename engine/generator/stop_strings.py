@@ -11,8 +11,9 @@ Detection is incremental and bounded, as vLLM's detokenize_incrementally: the te
 decode(context + held + token) minus decode(context), where context is the few tokens decoded last time (so
 a tokenizer that drops a word's leading space at the start of a decode, or merges bytes into one character,
 still adds the right text); a token whose text ends in an incomplete character is held until the character
-completes (at most MAX_HELD_TOKENS), the complete text before that character searched at once. Only the turn's last max(len(s)) - 1 characters are kept, enough to find a
-string that spans token boundaries: a step decodes a handful of tokens per row, never the whole turn.
+completes (at most MAX_HELD_TOKENS), the complete text before that character searched at once. Only the
+turn's last max(len(s)) - 1 characters are kept, enough to find a string that spans token boundaries: a step
+decodes a handful of tokens per row, never the whole turn.
 Test: pytest tests/engine/generator/test_stop_strings.py
 """
 

@@ -17,11 +17,12 @@ off, eagle@k or the model-free suffix@k) replaces the decode step by speculative
 T = k + 1 new tokens per row; each row then emits its own number of tokens and rejected columns are set
 invalid in kv.valid_RC. Finished rows leave a speculative.Trace for the spot trainer (take_traces()).
 Multi-turn episodes (Request.episode): a row whose assistant turn ends (any stop token: eos, the chat template's
-end-of-turn token, the request's stop ids; a token that completes one of Request.stop_strings) leaves the batch as Finished "turn" with its cached keys/values copied
-out (parked); resume(key, observation) brings it back into a free row at a later admission and prefills the
-observation against that cache, then decoding goes on in the same row; finish(key, reason) ends it. A parked
-row holds no batch row, but counts against capacity() until it is finished, so the service never takes more
-samples than max_batch_size rows can hold when they all come back.
+end-of-turn token, the request's stop ids; a token that completes one of Request.stop_strings) leaves the batch
+as Finished "turn" with its cached keys/values copied out (parked); resume(key, observation) brings it back into
+a free row at a later admission and prefills the observation against that cache, then decoding goes on in the
+same row; finish(key, reason) ends it. A parked row holds no batch row, but counts against capacity() until it
+is finished, so the service never takes more samples than max_batch_size rows can hold when they all come back.
+Stop strings (stop_strings.py) are scanned on the host, per row that has them, over the tokens each step emits.
 Tree sampling (tree=tree.TreeSampling): a group's samples start as one trunk row that holds the others
 and forks at fixed completion depths, or where the next token is uncertain, into clone rows (copies of
 its cache row and outputs); see tree.py.
@@ -568,7 +569,7 @@ class TorchBackend:
         self.rows.pending_R[rows] = tokens_B
         self.stats.num_generated_tokens += num_rows
         hit_B = (self.rows.stop_RS[rows] == tokens_B[:, None]).any(-1)
-        scanned = self._scan_stop_strings(tokens_B[:, None], torch.ones_like(tokens_B))
+        scanned = self._scan_stop_strings(tokens_B[:, None])
         if scanned is not None:
             hit_B |= scanned[1]
         return self._collect_done(hit_B, num_gen_B, rows)
@@ -638,29 +639,34 @@ class TorchBackend:
         done_rows = [row for row, is_done in enumerate(done) if is_done]
         return self._finish_rows(done_rows, ["stop" if hit[row] else "length" for row in done_rows])
 
-    def _scan_stop_strings(self, tokens_BN: torch.Tensor,
-                           num_emit_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _scan_stop_strings(self, tokens_BN: torch.Tensor, num_emit_B: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """Rows with stop strings (Request.stop_strings) scan the first num_emit_B of their step's tokens
-        tokens_BN, in order: emission ends after a token that completes a stop string. Returns the emission
-        counts so cut and the rows cut there (bool [B]), or None when no running row has stop strings. A
-        step with such rows takes one more host sync: their tokens."""
+        tokens_BN (all N without num_emit_B: a plain step's one), in order: emission ends after a token that
+        completes a stop string. Returns the emission counts so cut (None without num_emit_B) and the rows cut
+        there (bool [B]), or None when no running row has stop strings. A step with such rows takes one more
+        host sync: their tokens."""
         scanning = [row for row, seq in enumerate(self.rows.seqs) if seq.stop_scan is not None]
         if not scanning:
             return None
         index = torch.tensor(scanning, device=self.device)
-        host = torch.cat((num_emit_B[index, None], tokens_BN[index]), dim=1).tolist()
+        num_B = tokens_BN.shape[0]
+        host = (tokens_BN[index] if num_emit_B is None else
+                torch.cat((tokens_BN[index], num_emit_B[index, None]), dim=1)).tolist()
         cut_rows, cuts = [], []
-        for row, (count, *tokens) in zip(scanning, host, strict=True):
+        for row, tokens in zip(scanning, host, strict=True):
+            count = len(tokens) if num_emit_B is None else tokens.pop()
             num = self.rows.seqs[row].stop_scan.feed(tokens[:count])
             if num:
                 cut_rows.append(row)
                 cuts.append(num)
-        hit_B = torch.zeros(num_emit_B.shape, dtype=torch.bool, device=self.device)
+        hit_B = torch.zeros(num_B, dtype=torch.bool, device=self.device)
         if cut_rows:
             index = torch.tensor(cut_rows, device=self.device)
-            num_emit_B = num_emit_B.clone()
-            num_emit_B[index] = torch.tensor(cuts, dtype=num_emit_B.dtype, device=self.device)
             hit_B[index] = True
+            if num_emit_B is not None:
+                num_emit_B = num_emit_B.clone()
+                num_emit_B[index] = torch.tensor(cuts, dtype=num_emit_B.dtype, device=self.device)
         return num_emit_B, hit_B
 
     def _finish_rows(self, rows: list[int], reasons: list[str]) -> list[Finished]:
