@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from tailrace.protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
-from tailrace.protocol.telemetry import RewardTelemetry
+from tailrace.protocol.telemetry import RewardTelemetry, ServerTelemetry
 from tailrace.protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
 
 __all__ = ["RewardRouter", "RewardUnavailable", "ScoreFailed", "main", "run_server", "serve", "to_reply"]
@@ -174,7 +174,7 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
         scorer.close()
 
 
-async def _session(client: Client, scorer: _Scorer, telemetry: RewardTelemetry, tasks: tuple[str, ...],
+async def _session(client: Client, scorer: _Scorer, telemetry: ServerTelemetry, tasks: tuple[str, ...],
                    connect_timeout_s: float, waiting_every_s: float,
                    on_welcome: Callable[[Welcome], None] | None) -> str:
     """One session of serve(): Hello, then requests until Shutdown (its reason) or ConnectionLost."""
