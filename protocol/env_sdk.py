@@ -50,7 +50,7 @@ from tailrace.protocol.messages import (
     Shutdown,
     Welcome,
 )
-from tailrace.protocol.telemetry import EnvTelemetry, ServerTelemetry
+from tailrace.protocol.telemetry import EnvTelemetry, ServerTelemetry, publish_every
 from tailrace.protocol.transport import Client, ConnectionLost, run
 
 __all__ = ["load_class", "main", "serve", "to_observation"]
@@ -243,13 +243,6 @@ async def _session(client: Client, episodes: _Episodes, telemetry: ServerTelemet
         telemetry.finish(ticket, failed=isinstance(reply, EnvError))
         await send(reply)
 
-    async def publish_stats() -> None:
-        while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
-            for msg in (telemetry.stats(), telemetry.spans.drain()):
-                if msg is not None:
-                    await send(msg)
-
     stats = None
     try:
         welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s,
@@ -257,7 +250,7 @@ async def _session(client: Client, episodes: _Episodes, telemetry: ServerTelemet
         log.info("environment server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)
-        stats = asyncio.create_task(publish_stats(), name="env-stats")
+        stats = asyncio.create_task(publish_every(telemetry, send, STATS_INTERVAL_S), name="env-stats")
         stats.add_done_callback(done)  # a failure surfaces like a request task's
         while True:
             msg = await _next_message(client, failed)

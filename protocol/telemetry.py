@@ -13,10 +13,12 @@ what its telemetry costs. ServerTelemetry adds a reward or environment server's 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from tailrace.protocol.messages import Span, Spans, Stats
 
@@ -122,3 +124,13 @@ def RewardTelemetry(name: str, max_concurrency: int) -> ServerTelemetry:  # noqa
 def EnvTelemetry(name: str, max_concurrency: int) -> ServerTelemetry:  # noqa: N802
     """An environment server's telemetry: role "env", spans "stepping" (resets and steps)."""
     return ServerTelemetry("env", name, max_concurrency, "stepping")
+
+
+async def publish_every(telemetry: ServerTelemetry, send: Callable[[Any], Awaitable[None]], interval_s: float) -> None:
+    """A server SDK's telemetry loop: its Stats and any new Spans through `send` every `interval_s`, until
+    cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for msg in (telemetry.stats(), telemetry.spans.drain()):
+            if msg is not None:
+                await send(msg)
