@@ -37,16 +37,19 @@ def reverse_chain():
 
 def test_an_episode_takes_one_turn_per_word_and_rewards_the_mean_similarity():
     env = reverse_chain()()
-    assert env.reset("rev:abc=", {"words": "defg,hi"}) == {"text": ""}
+    assert env.reset("rev:abc=", {"words": "defg,hi"}) == {"text": "", "reward": 0.0}
     first = env.step("cba")
-    assert first["text"] == "rev:defg=" and not first.get("done")
-    assert env.step("gfed")["text"] == "rev:hi="
+    assert first["text"] == "rev:defg=" and not first.get("done") and first["reward"] == pytest.approx(1 / 3)
+    second = env.step("gfxd")  # 3 of 4 right
+    assert second["text"] == "rev:hi=" and second["reward"] == pytest.approx(0.75 / 3)
     last = env.step("xx")  # 0 of 2 right
-    assert last["done"] and last["reward"] == pytest.approx((1 + 1 + 0) / 3)
+    assert last["done"] and last["reward"] == 0.0 and last["info"]["mean_score"] == pytest.approx(1.75 / 3)
+    # the rewards sum to the mean similarity over the chain; one cut short keeps those of its answered turns
+    assert sum(r["reward"] for r in (first, second, last)) == pytest.approx((1 + 0.75 + 0) / 3)
     perfect = reverse_chain()()
     perfect.reset("rev:ab=", {"words": "c"})
-    perfect.step("ba")
-    assert perfect.step("c") == {"done": True, "reward": 1.0, "info": {"turns": 2, "last_score": 1.0}}
+    assert perfect.step("ba")["reward"] == 0.5
+    assert perfect.step("c") == {"done": True, "reward": 0.5, "info": {"turns": 2, "mean_score": 1.0}}
 
 
 def test_the_example_data_asks_for_three_to_six_turns():
@@ -79,12 +82,14 @@ async def test_tailrace_env_serves_the_example_through_the_broker(tmp_path):
         # the generator's prompt and metadata are ignored: the trainer's row is what the environment sees
         first = await ask(EnvReset(request_id=next(ids), episode_id=1, group_id=5, sample_id=0, task="?", prompt=""))
         assert isinstance(first, EnvObservation) and first.text == "", (first, (tmp_path / "env.log").read_text())
+        rewards = [first.reward]
         for i, word in enumerate(words):
             obs = await ask(EnvStep(request_id=next(ids), episode_id=1, action=word[::-1]))
             assert isinstance(obs, EnvObservation), obs
+            rewards.append(obs.reward)
             if i + 1 < len(words):
                 assert (obs.text, obs.done) == (f"rev:{words[i + 1]}=", False)
-        assert obs.done and obs.reward == 1.0 and obs.info["turns"] == len(words)
+        assert obs.done and sum(rewards) == pytest.approx(1.0) and obs.info["turns"] == len(words)
         assert [p.name for p in server.peers.values() if p.role == "env"] == ["env-0"] and broker.num_episodes == 0
     finally:
         await client.close()
