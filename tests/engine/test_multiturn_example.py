@@ -7,6 +7,7 @@ Run: pytest tests/engine/test_multiturn_example.py
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,23 @@ def test_tailrace_run_starts_the_environment_server_of_env_server(tmp_path, monk
     assert not launcher.needs_reward_server()  # the environment rewards the episodes
     cfg.env.server = ""
     assert launcher.needs_reward_server()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tailrace_run_trains_the_example_without_discards(tmp_path):
+    """Every episode has a reward from its environment, also one cut short by env.max_episode_tokens (with one
+    final reward only, it had none: it waited reward.wait_for_server_s for a reward server the run does not
+    start, then was discarded as no_reward_server), and the generators count their environment calls."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-m", "tailrace.engine.cli", "run", "--config", str(CONFIG),
+                          "--train.steps", "4", "--trainer.runs_dir", str(tmp_path / "runs"), "--trainer.run_name", "mt",
+                          "--trainer.stats_interval_s", "0.2", "--reward.wait_for_server_s", "5", "--no-progress"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:]
+    summary = json.loads((tmp_path / "runs" / "mt" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["samples_trained"] == 4 * 8 * 8, summary
+    assert {k: n for k, n in summary["discarded"].items() if n and k != "run_ended"} == {}, summary["discarded"]
+    assert summary["scored_by"] == {"server": 0, "builtin": 0}  # the environment's rewards alone
+    gens = summary["generator_time_s"].values()
+    assert len(gens) == 2 and all(g["env_calls"] > 0 and g["env_wait_s"] > 0 for g in gens), gens

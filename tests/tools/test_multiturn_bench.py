@@ -91,7 +91,7 @@ def test_quick_benchmark_runs_end_to_end():
     for kind in ("multiturn", "singleturn"):
         assert r[f"samples_{kind}"] == 8 * r[f"groups_{kind}"] > 0
         assert r[f"logical_tokens_{kind}"] > r[f"unique_tokens_{kind}"] > 0 and r[f"token_saving_{kind}"] > 1
-        assert r[f"naive_s_{kind}"] > 0 and r[f"auto_s_{kind}"] > 0 and r[f"max_grad_rel_err_{kind}"] < 1e-4
+        assert r[f"naive_s_{kind}"] > 0 and r[f"auto_s_{kind}"] > 0 and r[f"max_grad_rel_err_{kind}"] < 1e-3
         assert r[f"replay_speedup_{kind}"] == pytest.approx(r[f"naive_s_{kind}"] / r[f"auto_s_{kind}"], rel=1e-2)
     # real episodes: 3-6 turns (env.max_turns 6), a reset and a step per turn each, none failed
     assert 1 <= r["turns_min"] <= r["turns_mean"] <= r["turns_max"] <= 6
@@ -108,4 +108,5 @@ def test_quick_benchmark_runs_end_to_end():
     assert r["pipeline_ratio"] == pytest.approx(r["sync_s"] / r["stream_s"], rel=1e-2)
     assert r["max_staleness_seen"] == {"sync": 0, "stream": 1} or r["max_staleness_seen"]["stream"] <= 1
     assert all(n > 0 for calls in r["env_calls_pipeline"].values() for n in calls)
-    assert all(sum(d.values()) == 0 for runs in r["discarded"].values() for d in runs)
+    # none failed: only what was handed out past the last step (run_ended) goes untrained
+    assert all(n == 0 for runs in r["discarded"].values() for d in runs for k, n in d.items() if k != "run_ended")
