@@ -1,8 +1,8 @@
 """Environment servers: the SDK that turns a Python class into an environment server for multi-turn episodes
 (role "env"). Wire rules: protocol/SPEC.md, "Environment servers"; the trainer's side: protocol/env_broker.py.
 
-Run one: python -m tailrace.protocol.env_sdk examples.multiturn.guess:GuessNumber --connect tcp://127.0.0.1:5555
-     or: tailrace env --env examples.multiturn.guess:GuessNumber --connect tcp://127.0.0.1:5555
+Run one: tailrace env examples.multiturn.reverse_chain:ReverseChain --connect tcp://127.0.0.1:5555
+     (or python -m tailrace.protocol.env_sdk with the same arguments)
 Test: pytest tests/protocol/test_env_sdk.py tests/faults/test_env_faults.py
 
 The class is instantiated once per episode (no arguments) and holds that episode's state:
@@ -20,6 +20,7 @@ any of text, token_ids, done, reward, info (as engine/generator/environment.py's
               request's deadline (EnvError 504, the episode ends: its state may be half-changed);
               EnvClose -> close() and forget. A session the trainer declared dead (410) is followed by a
               new one, its episodes dropped (the trainer failed them with env_dead). Ends on Shutdown.
+              Every STATS_INTERVAL_S it sends Stats (env/requests/..., latency, errors) and Spans.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from tailrace.protocol.messages import (
     Shutdown,
     Welcome,
 )
+from tailrace.protocol.telemetry import EnvTelemetry, ServerTelemetry, publish_every
 from tailrace.protocol.transport import Client, ConnectionLost, run
 
 __all__ = ["load_class", "main", "serve", "to_observation"]
@@ -56,6 +58,7 @@ __all__ = ["load_class", "main", "serve", "to_observation"]
 log = logging.getLogger("tailrace.env")
 
 MAX_TEXT = 4096
+STATS_INTERVAL_S = 1.0  # Stats and Spans, as a reward server sends them
 MAX_OBSERVATION_CHARS = 1 << 22
 MAX_OBSERVATION_TOKENS = 1 << 16
 MAX_INFO = 256
@@ -196,13 +199,15 @@ async def serve(make_env: Callable[[], Any], address: str, *, tasks: Iterable[st
     tasks = tuple(tasks) if tasks else tuple(getattr(make_env, "tasks", ())) or ("*",)
     name = name or f"env-{socket.gethostname()}-{os.getpid()}"
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="env")
+    telemetry = EnvTelemetry(name, max_concurrency)
     try:
         while True:
             client = Client(address, role="env", name=name, tasks=tasks, max_inflight=max_concurrency,
                             curve_server_key=curve_server_key, curve_secret_key=curve_secret_key, context=context)
             episodes = _Episodes(make_env, pool, timeout_s, max_episodes)
             try:
-                return await _session(client, episodes, tasks, connect_timeout_s, waiting_every_s, on_welcome)
+                return await _session(client, episodes, telemetry, tasks, connect_timeout_s, waiting_every_s,
+                                      on_welcome)
             except ConnectionLost as exc:
                 if not exc.declared_dead:
                     raise
@@ -212,8 +217,9 @@ async def serve(make_env: Callable[[], Any], address: str, *, tasks: Iterable[st
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def _session(client: Client, episodes: _Episodes, tasks: tuple[str, ...], connect_timeout_s: float,
-                   waiting_every_s: float, on_welcome: Callable[[Welcome], None] | None) -> str:
+async def _session(client: Client, episodes: _Episodes, telemetry: ServerTelemetry, tasks: tuple[str, ...],
+                   connect_timeout_s: float, waiting_every_s: float,
+                   on_welcome: Callable[[Welcome], None] | None) -> str:
     """One session of serve(): Hello, then requests until Shutdown (its reason) or ConnectionLost."""
     max_concurrency = client.hello.max_inflight
     active: set[asyncio.Task] = set()
@@ -224,20 +230,28 @@ async def _session(client: Client, episodes: _Episodes, tasks: tuple[str, ...], 
         if not task.cancelled() and task.exception() is not None and not failed.done():
             failed.set_exception(task.exception())
 
-    async def answer(msg: EnvReset | EnvStep) -> None:
-        reply = await episodes.answer(msg)
+    async def send(msg: Any) -> None:
         try:
-            await client.send(reply)
+            await client.send(msg)
         except ConnectionLost:
             if client.shutdown_reason is None:  # a reply racing the trainer's Shutdown is not an error
                 raise
 
+    async def answer(msg: EnvReset | EnvStep) -> None:
+        ticket = telemetry.start()
+        reply = await episodes.answer(msg)
+        telemetry.finish(ticket, failed=isinstance(reply, EnvError))
+        await send(reply)
+
+    stats = None
     try:
         welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s,
                                        waiting_every_s=waiting_every_s)
         log.info("environment server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)
+        stats = asyncio.create_task(publish_every(telemetry, send, STATS_INTERVAL_S), name="env-stats")
+        stats.add_done_callback(done)  # a failure surfaces like a request task's
         while True:
             msg = await _next_message(client, failed)
             if isinstance(msg, EnvReset | EnvStep):
@@ -258,9 +272,9 @@ async def _session(client: Client, episodes: _Episodes, tasks: tuple[str, ...], 
             else:
                 log.info("ignored %s from the trainer: %s", type(msg).__name__, msg)
     finally:
-        for task in active:
+        for task in (*active, *([stats] if stats else [])):
             task.cancel()
-        await asyncio.gather(*active, return_exceptions=True)
+        await asyncio.gather(*active, *([stats] if stats else []), return_exceptions=True)
         await client.close()
 
 
@@ -293,7 +307,7 @@ def load_class(spec: str, setting: str = "--env") -> Callable[[], Any]:
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{setting} {spec!r}: expected module:Class, e.g. examples.multiturn.guess:GuessNumber")
+        raise ValueError(f"{setting} {spec!r}: expected module:Class, e.g. examples.multiturn.reverse_chain:ReverseChain")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # user modules next to where they run the command
     try:

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from tailrace.protocol.messages import ErrorCode, Score, ScoreError, ScoreRequest, Shutdown, Welcome
-from tailrace.protocol.telemetry import RewardTelemetry
+from tailrace.protocol.telemetry import RewardTelemetry, ServerTelemetry, publish_every
 from tailrace.protocol.transport import Client, ConnectionLost, Peer, PeerEvent, Server, run
 
 __all__ = ["RewardRouter", "RewardUnavailable", "ScoreFailed", "main", "run_server", "serve", "to_reply"]
@@ -174,7 +174,7 @@ async def serve(score_fn: ScoreFn, address: str, *, tasks: Iterable[str] = ("*",
         scorer.close()
 
 
-async def _session(client: Client, scorer: _Scorer, telemetry: RewardTelemetry, tasks: tuple[str, ...],
+async def _session(client: Client, scorer: _Scorer, telemetry: ServerTelemetry, tasks: tuple[str, ...],
                    connect_timeout_s: float, waiting_every_s: float,
                    on_welcome: Callable[[Welcome], None] | None) -> str:
     """One session of serve(): Hello, then requests until Shutdown (its reason) or ConnectionLost."""
@@ -200,13 +200,6 @@ async def _session(client: Client, scorer: _Scorer, telemetry: RewardTelemetry, 
         telemetry.finish(ticket, failed=isinstance(reply, ScoreError))
         await send(reply)
 
-    async def publish_stats() -> None:
-        while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
-            for msg in (telemetry.stats(), telemetry.spans.drain()):
-                if msg is not None:
-                    await send(msg)
-
     stats = None
     try:
         welcome = await client.connect(min(10.0, connect_timeout_s), retry_for_s=connect_timeout_s,
@@ -214,7 +207,7 @@ async def _session(client: Client, scorer: _Scorer, telemetry: RewardTelemetry, 
         log.info("reward server %s serving %s for run %s", client.hello.name, list(tasks), welcome.run_id)
         if on_welcome is not None:
             on_welcome(welcome)
-        stats = asyncio.create_task(publish_stats(), name="reward-stats")
+        stats = asyncio.create_task(publish_every(telemetry, send, STATS_INTERVAL_S), name="reward-stats")
         stats.add_done_callback(done)  # a failure surfaces like a request task's
         while True:
             msg = await _next_message(client, failed)

@@ -8,15 +8,17 @@ Every role records into one; the trainer writes what arrives to runs/<name>/trac
 to tools (tools/top.py, tools/timeline.py). Cheap by construction: recording a span appends a list to a
 deque, and back-to-back spans of the same state and value on a track merge into one (a loop that waits in
 small slices leaves one span). `cost_s` is the time spent recording and draining, so a process can report
-what its telemetry costs. RewardTelemetry adds a reward server's Stats. Test: pytest tests/protocol/test_telemetry.py
+what its telemetry costs. ServerTelemetry adds a reward or environment server's Stats. Test: pytest tests/protocol/test_telemetry.py
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from tailrace.protocol.messages import Span, Spans, Stats
 
@@ -78,36 +80,57 @@ class SpanBuffer:
         return msg
 
 
-class RewardTelemetry:
-    """A reward server's Stats and spans: requests, in flight, latency, errors; one "scoring" track per
+class ServerTelemetry:
+    """A request server's Stats and spans (reward servers: role "reward", "scoring"; environment servers:
+    role "env", "stepping"): requests, in flight, latency, errors under "<role>/..."; one span track per
     concurrency slot, so that concurrent requests never share a track."""
 
-    def __init__(self, name: str, max_concurrency: int):
-        self.spans = SpanBuffer("reward", name)
-        self.name = name
+    def __init__(self, role: str, name: str, max_concurrency: int, busy: str):
+        self.spans = SpanBuffer(role, name)
+        self.role, self.name, self.busy = role, name, busy
         self.free_slots = list(range(max_concurrency - 1, -1, -1))
         self.counters = collections.Counter()
         self.latency_sum_s = 0.0
 
     def start(self) -> tuple[int, float]:
-        self.counters["reward/requests/received"] += 1
+        self.counters[f"{self.role}/requests/received"] += 1
         return (self.free_slots.pop() if self.free_slots else -1), time.time()
 
     def finish(self, ticket: tuple[int, float], failed: bool) -> None:
         slot, start = ticket
         end = time.time()
-        self.counters["reward/requests/answered"] += 1
-        self.counters["reward/requests/errors"] += failed
+        self.counters[f"{self.role}/requests/answered"] += 1
+        self.counters[f"{self.role}/requests/errors"] += failed
         self.latency_sum_s += end - start
         if slot >= 0:
-            self.spans.add("scoring", start, end, track=f"slot-{slot}")
+            self.spans.add(self.busy, start, end, track=f"slot-{slot}")
             self.free_slots.append(slot)
 
     def stats(self) -> Stats:
-        c = self.counters
-        in_flight = c["reward/requests/received"] - c["reward/requests/answered"]
+        c, prefix = self.counters, self.role
+        in_flight = c[f"{prefix}/requests/received"] - c[f"{prefix}/requests/answered"]
         counters = {k: float(v) for k, v in c.items()}
-        counters["reward/requests/in_flight"] = float(in_flight)
-        counters["reward/latency/mean_s"] = self.latency_sum_s / max(1, c["reward/requests/answered"])
-        return Stats(role="reward", name=self.name, state="scoring" if in_flight else "idle", policy_version=0,
+        counters[f"{prefix}/requests/in_flight"] = float(in_flight)
+        counters[f"{prefix}/latency/mean_s"] = self.latency_sum_s / max(1, c[f"{prefix}/requests/answered"])
+        return Stats(role=self.role, name=self.name, state=self.busy if in_flight else "idle", policy_version=0,
                      counters=counters, wall_s=time.time())
+
+
+def RewardTelemetry(name: str, max_concurrency: int) -> ServerTelemetry:  # noqa: N802 (a reward server's kind)
+    """A reward server's telemetry: role "reward", spans "scoring"."""
+    return ServerTelemetry("reward", name, max_concurrency, "scoring")
+
+
+def EnvTelemetry(name: str, max_concurrency: int) -> ServerTelemetry:  # noqa: N802
+    """An environment server's telemetry: role "env", spans "stepping" (resets and steps)."""
+    return ServerTelemetry("env", name, max_concurrency, "stepping")
+
+
+async def publish_every(telemetry: ServerTelemetry, send: Callable[[Any], Awaitable[None]], interval_s: float) -> None:
+    """A server SDK's telemetry loop: its Stats and any new Spans through `send` every `interval_s`, until
+    cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for msg in (telemetry.stats(), telemetry.spans.drain()):
+            if msg is not None:
+                await send(msg)

@@ -39,7 +39,8 @@ BENCHES: dict[str, str] = {
     "checkpointing": "tools.benches.checkpointing:run",  # train.gradient_checkpointing: saved bytes, heap peak, time vs plain
     "backends": "tools.benches.backends:run",  # raw vLLM vs our vLLM backend vs torch backend: tokens/s, update_ms
     "vllm_spec": "tools.benches.vllm_spec:run",  # vLLM's ngram speculation vs plain vLLM, greedy: tokens/s, ratio
-    "weights": "tools.benches.weights:run",  # one version of S MB to N = 1, 2, 4 generators: chunks vs broadcast vs memcpy
+    "weights": "tools.benches.weights:run",
+    "multiturn": "tools.benches.multiturn:run",  # multi-turn episodes: replay saving vs single-turn, env wait, sync vs stream  # one version of S MB to N = 1, 2, 4 generators: chunks vs broadcast vs memcpy
 }
 """NAME -> "module:function"."""
 

@@ -76,8 +76,8 @@ class Board:
 
 
 def _ordered(processes: dict[str, dict]) -> list[tuple[str, dict]]:
-    rank = {"trainer": 0, "generator": 1, "reward": 2}
-    return sorted(processes.items(), key=lambda kv: (rank.get(kv[1]["role"], 3), kv[0]))
+    rank = {"trainer": 0, "generator": 1, "reward": 2, "env": 3}
+    return sorted(processes.items(), key=lambda kv: (rank.get(kv[1]["role"], 4), kv[0]))
 
 
 def highlights(role: str, c: dict[str, float]) -> str:
@@ -95,10 +95,10 @@ def highlights(role: str, c: dict[str, float]) -> str:
                    f"({c.get('generator/spec/accept_rate', 0):.0%}), drafter v"
                    f"{c.get('generator/spec/drafter_version', 0):.0f}")
         return hi
-    if role == "reward":
-        return (f"answered {c.get('reward/requests/answered', 0):.0f}  in flight "
-                f"{c.get('reward/requests/in_flight', 0):.0f}  latency {1e3 * c.get('reward/latency/mean_s', 0):.1f} ms"
-                f"  errors {c.get('reward/requests/errors', 0):.0f}")
+    if role in ("reward", "env"):  # reward and environment servers: the same request counters
+        return (f"answered {c.get(f'{role}/requests/answered', 0):.0f}  in flight "
+                f"{c.get(f'{role}/requests/in_flight', 0):.0f}  latency "
+                f"{1e3 * c.get(f'{role}/latency/mean_s', 0):.1f} ms  errors {c.get(f'{role}/requests/errors', 0):.0f}")
     return "  ".join(f"{k.rsplit('/', 1)[-1]} {v:g}" for k, v in list(c.items())[:4])
 
 
@@ -116,7 +116,7 @@ def render(snapshot: dict) -> str:
 
 COLUMNS = ("name", "role", "state", "ver", "queue", "tok/s", "batch", "stale", "spec acc/depth", "drafter",
            "scored", "age")
-STATE_STYLE = {"generating": "green", "training": "green", "scoring": "green", "idle": "yellow",
+STATE_STYLE = {"generating": "green", "training": "green", "scoring": "green", "stepping": "green", "idle": "yellow",
                "syncing_weights": "cyan", "drafter_training": "magenta", "checkpointing": "cyan",
                "starting": "blue", "stopping": "red", "left": "red", "dead": "bold red"}
 
@@ -136,10 +136,10 @@ def _cells(role: str, c: dict[str, float]) -> list[str]:
         return [f"{g('generator/queue/waiting', 0):.0f} waiting / {g('generator/queue/pending_items', 0):.0f} items",
                 f"{g('generator/throughput/wall_tokens_per_s', 0):.0f}", f"{g('generator/queue/running', 0):.0f}",
                 "", spec, drafter, ""]
-    if role == "reward":
-        return [f"{g('reward/requests/in_flight', 0):.0f} in flight", "", "", "", "", "",
-                f"{g('reward/requests/answered', 0):.0f} ans, {1e3 * g('reward/latency/mean_s', 0):.0f} ms, "
-                f"{g('reward/requests/errors', 0):.0f} err"]
+    if role in ("reward", "env"):
+        return [f"{g(f'{role}/requests/in_flight', 0):.0f} in flight", "", "", "", "", "",
+                f"{g(f'{role}/requests/answered', 0):.0f} ans, {1e3 * g(f'{role}/latency/mean_s', 0):.0f} ms, "
+                f"{g(f'{role}/requests/errors', 0):.0f} err"]
     return [""] * 7
 
 

@@ -643,6 +643,10 @@ class GeneratorService:
             "generator/weights/by_chunks": self.weights_by["chunks"],
             "generator/weights/broadcast_failed": self.weights_by["broadcast_failed"],
         }
+        if self.episodes is not None:  # multi-turn: environment calls (they overlap decoding other rows)
+            counters["generator/env/calls"] = self.episodes.num_env_calls
+            counters["generator/env/wait_s"] = self.episodes.env_wait_s
+            counters["generator/env/waiting"] = self.episodes.num_waiting_env
         if self.bandit is not None:
             from tailrace.engine.generator.speculation.speculative import telemetry
 

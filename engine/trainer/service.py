@@ -648,7 +648,9 @@ class TrainerService:
                               if self.token_totals["unique_tokens"] else None),
             "generator_time_s": {name: {"busy_s": st.counters.get("generator/time/busy_s", 0.0),
                                         "wall_s": st.counters.get("generator/time/wall_s", 0.0),
-                                        "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0)}
+                                        "telemetry_s": st.counters.get("generator/telemetry/cost_s", 0.0),
+                                        "env_wait_s": st.counters.get("generator/env/wait_s", 0.0),
+                                        "env_calls": st.counters.get("generator/env/calls", 0.0)}
                                  for name, st in self.last_generator_stats.items()},
             **weights_summary(self.counters, self.last_generator_stats),
             "wall_s": self.wall_s_before + time.monotonic() - self.started_s,

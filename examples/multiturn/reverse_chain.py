@@ -1,7 +1,10 @@
 """A multi-turn environment for the shipped tiny model (it was trained to reverse strings): reverse a chain
 of words, one per turn. The prompt asks for the first ("rev:abc="); after each assistant turn the
-environment answers with the next word to reverse ("rev:defg="), and after the last one the episode is done
-with one final reward, the mean over the turns of 1 - levenshtein(answer, reversed word) / length. It needs
+environment answers with the next word to reverse ("rev:defg="), and after the last one the episode is done.
+Each turn is rewarded as it is answered, (1 - levenshtein(answer, reversed word) / length) / number of words,
+and reset gives 0.0: the rewards of an episode sum to the mean similarity over the chain, and an episode cut
+short (env.max_episode_tokens) still has the reward of the turns it answered (with one final reward only, it
+would have none and wait for a reward server the run does not have: discarded as no_reward_server). It needs
 as many turns as the chain has words, and the policy must read each observation to score.
 
 Serve it: python -m tailrace.protocol.env_sdk examples.multiturn.reverse_chain:ReverseChain --connect ADDR
@@ -39,12 +42,13 @@ class ReverseChain:
         self.words = [first, *rest]
         self.turn = 0
         self.scores: list[float] = []
-        return {"text": ""}  # the prompt already asks for the first word
+        return {"text": "", "reward": 0.0}  # the prompt already asks for the first word
 
     def step(self, action: str) -> dict:
         self.scores.append(similarity(action, self.words[self.turn][::-1]))
         self.turn += 1
+        reward = self.scores[-1] / len(self.words)
         if self.turn == len(self.words):
-            return {"done": True, "reward": sum(self.scores) / len(self.scores),
-                    "info": {"turns": self.turn, "last_score": self.scores[-1]}}
-        return {"text": f"rev:{self.words[self.turn]}=", "info": {"score": self.scores[-1]}}
+            return {"done": True, "reward": reward,
+                    "info": {"turns": self.turn, "mean_score": sum(self.scores) / len(self.scores)}}
+        return {"text": f"rev:{self.words[self.turn]}=", "reward": reward, "info": {"score": self.scores[-1]}}

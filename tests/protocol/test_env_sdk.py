@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tailrace.protocol import codec
+from tailrace.protocol import codec, env_sdk
 from tailrace.protocol.env_broker import EnvBroker
 from tailrace.protocol.env_sdk import serve, to_observation
 from tailrace.protocol.messages import (
@@ -27,6 +27,8 @@ from tailrace.protocol.messages import (
     EnvStep,
     Error,
     ErrorCode,
+    Spans,
+    Stats,
 )
 from tailrace.protocol.transport import Client, Server
 
@@ -191,6 +193,31 @@ async def test_an_episode_runs_to_done_with_the_trainers_prompt_and_a_final_rewa
     assert isinstance(after, EnvError) and after.code == ErrorCode.UNSUPPORTED
     unknown = await gen.reset(8, group_id=99)  # a group the trainer never handed out
     assert isinstance(unknown, EnvError) and unknown.code == ErrorCode.UNSUPPORTED
+
+
+async def test_the_server_sends_stats_and_spans_of_its_requests(rig, monkeypatch):
+    """Like a reward server: Stats (role "env": requests received / answered / errors, latency) and Spans
+    ("stepping", a track per concurrency slot), what `tailrace top` and the trace show of it."""
+    monkeypatch.setattr(env_sdk, "STATS_INTERVAL_S", 0.05)
+    server, broker, attach, generator = rig
+    seen: list = []
+    server.route((Stats, Spans), lambda peer, msg: seen.append(msg))
+    await attach(Counter, name="env-stats")
+    gen = await generator()
+    await gen.reset(3)
+    await gen.step(3, "a1")
+    assert isinstance(await gen.step(3, "raise"), EnvError)
+
+    def answered() -> dict | None:
+        stats = [m for m in seen if isinstance(m, Stats) and m.role == "env" and m.name == "env-stats"]
+        return stats[-1].counters if stats and stats[-1].counters.get("env/requests/answered") == 3 else None
+
+    await wait_until(lambda: answered() is not None)
+    counters = answered()
+    assert counters["env/requests/received"] == 3 and counters["env/requests/errors"] == 1
+    assert counters["env/requests/in_flight"] == 0 and counters["env/latency/mean_s"] > 0
+    spans = [s for m in seen if isinstance(m, Spans) and m.role == "env" for s in m.spans]
+    assert spans and {s.state for s in spans} == {"stepping"} and spans[0].track.startswith("slot-")
 
 
 async def test_async_environments_and_token_observations(rig):

@@ -5,7 +5,7 @@ concurrent requests on separate tracks. Run: pytest tests/protocol/test_telemetr
 import itertools
 
 from tailrace.protocol.codec import decode, encode
-from tailrace.protocol.telemetry import MERGE_GAP_S, RewardTelemetry, SpanBuffer
+from tailrace.protocol.telemetry import MERGE_GAP_S, EnvTelemetry, RewardTelemetry, SpanBuffer
 
 
 def test_back_to_back_spans_of_one_state_merge_and_others_do_not():
@@ -59,3 +59,13 @@ def test_reward_telemetry_counts_and_gives_each_concurrent_request_its_own_track
     assert stats.state == "idle" and stats.role == "reward"
     assert stats.counters["reward/requests/answered"] == 3 and stats.counters["reward/requests/errors"] == 1
     assert sorted({s.track for s in tel.spans.drain().spans}) == ["slot-0", "slot-1"]
+
+
+def test_env_telemetry_is_the_same_accounting_under_its_own_role():
+    tel = EnvTelemetry("env-0", max_concurrency=1)
+    tel.finish(tel.start(), failed=True)
+    stats = tel.stats()
+    assert (stats.role, stats.name, stats.state) == ("env", "env-0", "idle")
+    assert stats.counters["env/requests/answered"] == 1 and stats.counters["env/requests/errors"] == 1
+    assert not any(k.startswith("reward/") for k in stats.counters)
+    assert [s.state for s in tel.spans.drain().spans] == ["stepping"]

@@ -33,6 +33,20 @@ def test_render_lists_processes_with_their_highlights():
     assert "spec: 3.25 drafts accepted/step (81%), drafter v2" in lines[4]
 
 
+def test_reward_and_environment_servers_show_their_requests_after_the_generators():
+    def server(role):
+        return {"role": role, "state": "idle", "policy_version": 0, "wall_s": 1.0, "counters": {
+            f"{role}/requests/answered": 12, f"{role}/requests/in_flight": 2, f"{role}/latency/mean_s": 0.004,
+            f"{role}/requests/errors": 1}}
+    snapshot = {"run_id": "r", "address": "a", "processes": {
+        "env-0": server("env"), "grader": server("reward"),
+        "gen-0": {"role": "generator", "state": "idle", "policy_version": 0, "wall_s": 1.0, "counters": {}}}}
+    lines = top.render(snapshot).splitlines()[2:]
+    assert [line.split()[0] for line in lines] == ["gen-0", "grader", "env-0"]
+    for line in lines[1:]:
+        assert "answered 12  in flight 2  latency 4.0 ms  errors 1" in line
+
+
 # ---------------------------------------------------------------------------------------- reconnecting
 
 FAKE_TRAINER = """

@@ -330,9 +330,10 @@ class CpuSampler:
 
 
 def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout_s: float,
-                 costs_path: Path | None = None) -> dict:
+                 costs_path: Path | None = None, env_server: str = "") -> dict:
     """One run: trainer, NUM_GENERATORS generators and the timing tool as processes, their compute modelled
-    by costs_path when one is given. Returns its figures."""
+    by costs_path when one is given; with env_server (module:Class), also that environment server
+    (`tailrace env`, multi-turn runs: tools/benches/multiturn.py). Returns its figures."""
     common = [*args, "--trainer.runs_dir", str(runs_dir), "--trainer.run_name", name]
     run_dir = runs_dir / name
     run_dir.mkdir(parents=True)
@@ -354,11 +355,15 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
             procs.append(_start(_role, ["generator", "--connect", address, "--name", f"gen-{i}", *common],
                                 run_dir / f"gen-{i}.log", costs_path))
         cpu.start([trainer.pid, *(p.pid for p in procs[2:])])
+        if env_server:  # after the generators: procs[2:2 + NUM_GENERATORS] stay theirs (an episode's reset waits
+            # env.wait_for_server_s for it to attach)
+            procs.append(_start(_role, ["env", env_server, "--connect", address, "--name", "env-0"],
+                                run_dir / "env-0.log", None))
         trainer.join(timeout=max(0.0, deadline - time.monotonic()))
         if trainer.exitcode != 0:
             raise RuntimeError(f"{name}: the trainer {'timed out' if trainer.is_alive() else 'failed'} "
                                f"(exit code {trainer.exitcode}):\n{_tail(trainer_log)}")
-        for proc in procs[1:]:
+        for proc in procs[1:2 + NUM_GENERATORS]:  # an environment server is stopped below
             proc.join(timeout=20)
     finally:
         cpu.stop()
@@ -379,7 +384,8 @@ def run_pipeline(runs_dir: Path, name: str, args: list[str], steps: int, timeout
             "telemetry_frac": telemetry / wall if wall else float("nan"),
             "samples_trained": summary["samples_trained"], "discarded": summary["discarded"],
             "max_staleness_seen": summary["max_staleness_seen"],
-            "generator_exit_codes": [p.exitcode for p in procs[2:]]}
+            "generator_exit_codes": [p.exitcode for p in procs[2:2 + NUM_GENERATORS]],
+            "env_calls": sum(g.get("env_calls", 0.0) for g in gens), "env_wait_s": sum(g.get("env_wait_s", 0.0) for g in gens)}
 
 
 # ---------------------------------------------------------------------------------------- the benchmark

@@ -8,7 +8,8 @@ replay across ranks needs train.fsdp.step_residency = "full": the whole model ga
 Reported: step_s_1, step_s_N, scaling = step_s_1 / step_s_N, peak RSS per rank, parameter + optimizer
 state bytes per rank (the local shards), and max_grad_rel_err, the largest per-tensor relative difference
 between the reduced gradients of N ranks and of 1 rank.
-Residency, per mode (RESIDENCY_MODES: naive and packed under step_residency = "layer", packed under "full"),
+Residency, per mode (RESIDENCY_MODES: naive, packed, layer_major and replay under step_residency = "layer"
+- replay runs a trie too large for one pack layer-major there - and packed under "full"),
 one N-rank step of an 8-layer model of the same shape on the --quick groups: peak_unsharded_frac[mode], the
 most unsharded parameter + gradient bytes FSDP held on a rank at one moment over P (dist.ResidencyMeter), and
 collectives_equal[mode], whether every rank ran the same all-gathers / reduce-scatters in the same order
@@ -29,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESIDENCY_MODES = {"naive": ("naive", "layer"), "packed": ("packed", "layer"), "full": ("packed", "full")}
+RESIDENCY_MODES = {"naive": ("naive", "layer"), "packed": ("packed", "layer"), "layer_major": ("layer_major", "layer"),
+                   "replay": ("replay", "layer"), "full": ("packed", "full")}
 RESIDENCY_LAYERS = 8
 
 
