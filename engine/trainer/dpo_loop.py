@@ -33,7 +33,9 @@ from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.data.chat import adopt_template
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
+from tailrace.engine.replay import layered
 from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
+from tailrace.engine.replay.trie import build_trie
 from tailrace.engine.trainer import checkpoint, dist
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.loss import LossNormaliser
@@ -55,16 +57,24 @@ def pair_samples(pairs: Sequence[PreferencePair], policy_version: int) -> list[T
     return out
 
 
+def _pair_cost(pair: PreferencePair) -> float:
+    """What a pair costs a rank: its unique tokens (the prompt once)."""
+    return float(build_trie(pair_samples([pair], 0)).num_unique_tokens)
+
+
 class DPOLearner(Learner):
     """A Learner whose step takes preference pairs, with DPO's beta train.dpo_beta; the reference model is a
-    frozen copy of the policy as given (so build it before loading a checkpoint into the policy). One rank."""
+    frozen copy of the policy as given (so build it before loading a checkpoint into the policy).
+
+    On several ranks (torchrun) every rank is given the same pairs and runs its share, whole pairs balanced
+    by unique tokens as the GRPO learner shares groups; the loss is the mean over all ranks' pairs, so the
+    summed gradients are one rank's. The reference model is sharded like the policy and its log-probs run
+    in lock step too (train.fsdp.step_residency "layer"; "full" gathers each model whole for its pass)."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, *, lora_config: LoRAConfig | None = None,
                  ref_model: nn.Module | None = None) -> None:
         if config.replay == "naive":
             raise ValueError("train.replay: dpo runs on the shared-prefix modes auto, replay or packed")
-        if dist.world_size() > 1:
-            raise ValueError("train.algorithm: dpo runs on one rank")
         if (config.ppo_epochs, config.minibatches) != (1, 1):
             raise ValueError("train.ppo_epochs, train.minibatches: dpo takes one optimizer step per batch of pairs")
         super().__init__(model, config, lora_config=lora_config,
@@ -72,20 +82,42 @@ class DPOLearner(Learner):
         self.beta = config.dpo_beta
 
     def backward(self, pairs: Sequence[PreferencePair]) -> tuple[list[TrainSample], dict[str, torch.Tensor]]:
-        """DPO gradients of `pairs` into the policy's .grad (zeroed first); the samples and the strategy's
-        summed statistics (DPOLoss's pair statistics included)."""
+        """DPO gradients of `pairs` into the policy's .grad (zeroed first; reduced over ranks); the batch's
+        samples and the strategy's statistics summed over ranks (DPOLoss's pair statistics included). Every
+        rank calls it with the same pairs."""
         if not pairs:
             raise ValueError("pairs: empty batch")
+        mine = pair_samples(dist.shard(pairs, _pair_cost, dist.rank(), dist.world_size()), self.policy_version)
+        ref_S = self._ref_sequence_logprobs(mine)
+        loss_fn = DPOLoss([(2 * i, 2 * i + 1) for i in range(len(mine) // 2)], ref_S, beta=self.beta,
+                          num_pairs=len(pairs)) if mine else None
         samples = pair_samples(pairs, self.policy_version)
-        ref_S = sequence_logprobs(self.ref_model, samples, self.config.logprob_chunk_tokens)
-        loss_fn = DPOLoss([(2 * i, 2 * i + 1) for i in range(len(pairs))], ref_S, beta=self.beta)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.forward_backward(self.model, samples, loss_fn, LossNormaliser.from_samples(samples))
-        return samples, stats
+        with dist.step_pass(self.model, self.config.fsdp, self._zero_weight_loss):
+            stats = self._run_strategy(mine, loss_fn, LossNormaliser.from_samples(samples))
+        return samples, dist.all_reduce_stats_(stats)
+
+    def _ref_sequence_logprobs(self, samples: Sequence[TrainSample]) -> torch.Tensor:
+        """Each of this rank's samples' summed completion log-prob under the reference model (float64 [S]).
+        Every rank calls it, with samples or none: under per-layer residency the sharded reference runs its
+        packs in lock step (layered.sample_logprobs), under "full" it is gathered whole for the pass."""
+        chunk = self.config.logprob_chunk_tokens
+        with dist.forward_only(self.ref_model, self.config.fsdp):
+            if self._ref_lockstep is not None:
+                per_sample = layered.sample_logprobs(self.ref_model, samples, self._ref_lockstep,
+                                                     max_tokens=self.config.micro_batch_tokens, chunk_rows=chunk)
+                return torch.stack([lp.sum() for lp in per_sample]) if per_sample else torch.zeros(0)
+            if not samples:
+                return torch.zeros(0, dtype=torch.float64)
+            return sequence_logprobs(self.ref_model, samples, chunk)
 
     def step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:  # type: ignore[override]
         """One optimizer step on a batch of pairs. Returns metrics named trainer/<group>/<name>."""
+        with dist.rank_errors():
+            return self._dpo_step(pairs)
+
+    def _dpo_step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
         start_s = time.monotonic()
         samples, stats = self.backward(pairs)
         metrics = pair_metrics(stats)

@@ -354,3 +354,26 @@ def test_layer_major_refuses_full_residency(tmp_path):
     proc = _worker(tmp_path / "full.pt", "--replay", "layer_major", *FULL, "--timeout-s", "60", nproc=2, check=False)
     assert proc.returncode != 0
     assert 'train.replay = "layer_major" runs FSDP\'s per-layer schedule itself' in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------- DPO on ranks
+
+
+@pytest.mark.parametrize("replay,residency", [
+    ("packed", "layer"),
+    pytest.param("replay", "layer", marks=pytest.mark.slow),  # a pair larger than a pack: layer-major
+    pytest.param("layer_major", "layer", marks=pytest.mark.slow),
+    pytest.param("replay", "full", marks=pytest.mark.slow),  # depth-first replay, each model gathered whole
+])
+def test_dpo_on_two_ranks_equals_one_rank(tmp_path, replay, residency):
+    """The DPO learner, float64, 3 steps of pairs split unevenly (the last step leaves rank 1 no pair): its
+    share of the pairs on each rank, the loss the mean over both ranks' pairs, the reference model sharded
+    like the policy: the weights, gradient norms and DPO losses of 2 ranks == 1 rank; both ranks ran the
+    same collectives (the reference's log-probs included)."""
+    args = ("--dpo", "--replay", replay, "--step-residency", residency)
+    one = _train(tmp_path, "one", *args, nproc=1)
+    two = _train(tmp_path, "two", *args, "--instrument", "--check-schedule", nproc=2)
+    _assert_equal_steps(one, two)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-12)
+    assert min(one["grad_norms"]) > 0.1  # the pairs move the policy: equal weights are not the initial ones
+    assert two["collectives"][0] == two["collectives"][1]
