@@ -6,6 +6,9 @@
           checkpoint every checkpoint.every_steps
     ends  at train.steps, when the data ends (data.epochs passes), or on SIGINT/SIGTERM/SIGHUP (after the step in progress): a last
           checkpoint (data position = rows consumed, so --resume continues at the next row) and summary.json
+    ranks under torchrun (--nproc N): every rank reads the same pairs and runs the loop; DPOLearner gives each
+          its share of a step's pairs; rank 0 owns the run folder (shared with the others), metrics and
+          summary.json; a stop seen by any rank is agreed before each step; every rank joins the checkpoints
 
 Run: tailrace trainer --config FILE --train.algorithm dpo --data.source pairs.jsonl (or `tailrace run`).
 Test: pytest tests/engine/trainer/test_dpo.py
@@ -36,7 +39,7 @@ from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
 from tailrace.engine.replay import layered
 from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
 from tailrace.engine.replay.trie import build_trie
-from tailrace.engine.trainer import checkpoint, dist
+from tailrace.engine.trainer import checkpoint, dist, ranks
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.loss import LossNormaliser
 from tailrace.engine.trainer.runs import make_run_dir
@@ -135,7 +138,9 @@ class DPOTrainer:
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None):
         self.cfg = cfg
-        self.run_dir = run_dir or make_run_dir(cfg, resume)
+        if run_dir is None:
+            run_dir = make_run_dir(cfg, resume) if dist.is_rank0() else None
+        self.run_dir = ranks.share_run_dir(run_dir) if dist.world_size() > 1 else run_dir
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
         adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
@@ -160,7 +165,7 @@ class DPOTrainer:
         self.busy_s = 0.0
         self.started_s = time.monotonic()
         self.stop_reason = ""
-        self.sink = make_sink(self.run_dir, cfg)
+        self.sink = make_sink(self.run_dir if dist.is_rank0() else None, cfg)
 
     def request_stop(self, signum: int, _frame: Any = None) -> None:
         if not self.stop_reason:
@@ -177,9 +182,16 @@ class DPOTrainer:
                 signal.signal(sig, handler)
         return self.finish()
 
+    def stopping(self) -> bool:
+        """Whether to stop before the next step. On several ranks a signal seen by any rank stops all of them
+        after the same step (agreed: one all-reduce per step)."""
+        if dist.world_size() > 1 and dist.agree_max([int(bool(self.stop_reason))])[0] and not self.stop_reason:
+            self.stop_reason = "stopped by another trainer rank"
+        return bool(self.stop_reason)
+
     def train_loop(self) -> None:
         total = self.cfg.train.steps
-        while self.learner.step_count < total and not self.stop_reason:
+        while self.learner.step_count < total and not self.stopping():
             pairs = self.source.take(self.cfg.train.groups_per_step)
             if not pairs:
                 self.stop_reason = f"no more pairs: {self.source.exhausted_text()}"
@@ -203,8 +215,10 @@ class DPOTrainer:
                     "trainer/time/elapsed_s": self.wall_s_before + time.monotonic() - self.started_s}
         step = self.learner.step_count
         self.sink.log(step, metrics)
-        log.info("step %d/%d dpo loss %.4f margin %.4f accuracy %.2f", step, self.cfg.train.steps,
-                 metrics["trainer/dpo/loss"], metrics["trainer/dpo/reward_margin"], metrics["trainer/dpo/accuracy"])
+        if dist.is_rank0():
+            log.info("step %d/%d dpo loss %.4f margin %.4f accuracy %.2f", step, self.cfg.train.steps,
+                     metrics["trainer/dpo/loss"], metrics["trainer/dpo/reward_margin"],
+                     metrics["trainer/dpo/accuracy"])
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0:
             self.save_checkpoint()
@@ -242,6 +256,7 @@ class DPOTrainer:
     def finish(self) -> dict[str, Any]:
         folder = self.save_checkpoint()
         summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if dist.is_rank0():
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
         return summary
