@@ -110,7 +110,9 @@ class DPOLearner(Learner):
             if self._ref_lockstep is not None:
                 per_sample = layered.sample_logprobs(self.ref_model, samples, self._ref_lockstep,
                                                      max_tokens=self.config.micro_batch_tokens, chunk_rows=chunk)
-                return torch.stack([lp.sum() for lp in per_sample]) if per_sample else torch.zeros(0)
+                if not per_sample:
+                    return torch.zeros(0, dtype=torch.float64)
+                return torch.stack([lp.sum() for lp in per_sample])
             if not samples:
                 return torch.zeros(0, dtype=torch.float64)
             return sequence_logprobs(self.ref_model, samples, chunk)
