@@ -516,10 +516,16 @@ def main(args: Any, overrides: list[str], *, reward: UserReward | None = None) -
     if prepared.dpo:  # one role: nothing to launch or supervise beside the trainer (which takes the lock)
         from tailrace.engine.trainer.main import main as trainer_main
 
-        print("tailrace run: train.algorithm = dpo: training on data.source in this process, no generators "
-              "or reward servers", flush=True)
+        num_ranks = prepared.cfg.launch.trainer_ranks
+        print("tailrace run: train.algorithm = dpo: training on data.source "
+              + (f"on {num_ranks} trainer ranks (torchrun)" if num_ranks > 1 else "in this process")
+              + ", no generators or reward servers", flush=True)
         if prepared.resumed:
             print(f"tailrace run: {prepared.resumed}", flush=True)
+        if num_ranks > 1:  # torchrun as a child: this process (tailrace.run()'s caller's, maybe) carries on
+            from tailrace.engine.trainer.main import torchrun_argv
+
+            return subprocess.run(torchrun_argv(num_ranks, args, overrides), check=False).returncode
         return trainer_main(args, overrides)
     with StopSignals() as signals:
         return _launch(prepared, args, signals=signals, reward=reward)

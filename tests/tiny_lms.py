@@ -8,6 +8,8 @@ file by its path. Run: the tests that use it, e.g. pytest tests/engine/replay te
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -28,3 +30,17 @@ def build(arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype | None = Non
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config, **({} if attn is None else {"attn_implementation": attn}))
     return model if dtype is None else model.to(dtype)
+
+
+def exact_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every RMSNorm computing in the model's dtype: Hugging Face's computes in float32 even in
+    a float64 model, which leaves ~1e-8 relative differences between evaluation orders (exact_model in
+    tests/engine/conftest.py). Returns the model, changed in place."""
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(forward, module)
+    return model

@@ -6,6 +6,9 @@
           checkpoint every checkpoint.every_steps
     ends  at train.steps, when the data ends (data.epochs passes), or on SIGINT/SIGTERM/SIGHUP (after the step in progress): a last
           checkpoint (data position = rows consumed, so --resume continues at the next row) and summary.json
+    ranks under torchrun (--nproc N): every rank reads the same pairs and runs the loop; DPOLearner gives each
+          its share of a step's pairs; rank 0 owns the run folder (shared with the others), metrics and
+          summary.json; a stop seen by any rank is agreed before each step; every rank joins the checkpoints
 
 Run: tailrace trainer --config FILE --train.algorithm dpo --data.source pairs.jsonl (or `tailrace run`).
 Test: pytest tests/engine/trainer/test_dpo.py
@@ -33,8 +36,10 @@ from tailrace.engine.core.metrics import make_sink
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.data.chat import adopt_template
 from tailrace.engine.data.dpo_pairs import PairSource, PreferencePair
+from tailrace.engine.replay import layered
 from tailrace.engine.replay.dpo_loss import PAIR_STAT_KEYS, DPOLoss, pair_metrics, sequence_logprobs
-from tailrace.engine.trainer import checkpoint, dist
+from tailrace.engine.replay.trie import build_trie
+from tailrace.engine.trainer import checkpoint, dist, ranks
 from tailrace.engine.trainer.learner import Learner
 from tailrace.engine.trainer.loss import LossNormaliser
 from tailrace.engine.trainer.runs import make_run_dir
@@ -55,16 +60,24 @@ def pair_samples(pairs: Sequence[PreferencePair], policy_version: int) -> list[T
     return out
 
 
+def _pair_cost(pair: PreferencePair) -> float:
+    """What a pair costs a rank: its unique tokens (the prompt once)."""
+    return float(build_trie(pair_samples([pair], 0)).num_unique_tokens)
+
+
 class DPOLearner(Learner):
     """A Learner whose step takes preference pairs, with DPO's beta train.dpo_beta; the reference model is a
-    frozen copy of the policy as given (so build it before loading a checkpoint into the policy). One rank."""
+    frozen copy of the policy as given (so build it before loading a checkpoint into the policy).
+
+    On several ranks (torchrun) every rank is given the same pairs and runs its share, whole pairs balanced
+    by unique tokens as the GRPO learner shares groups; the loss is the mean over all ranks' pairs, so the
+    summed gradients are one rank's. The reference model is sharded like the policy and its log-probs run
+    in lock step too (train.fsdp.step_residency "layer"; "full" gathers each model whole for its pass)."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, *, lora_config: LoRAConfig | None = None,
                  ref_model: nn.Module | None = None) -> None:
         if config.replay == "naive":
             raise ValueError("train.replay: dpo runs on the shared-prefix modes auto, replay or packed")
-        if dist.world_size() > 1:
-            raise ValueError("train.algorithm: dpo runs on one rank")
         if (config.ppo_epochs, config.minibatches) != (1, 1):
             raise ValueError("train.ppo_epochs, train.minibatches: dpo takes one optimizer step per batch of pairs")
         super().__init__(model, config, lora_config=lora_config,
@@ -72,20 +85,44 @@ class DPOLearner(Learner):
         self.beta = config.dpo_beta
 
     def backward(self, pairs: Sequence[PreferencePair]) -> tuple[list[TrainSample], dict[str, torch.Tensor]]:
-        """DPO gradients of `pairs` into the policy's .grad (zeroed first); the samples and the strategy's
-        summed statistics (DPOLoss's pair statistics included)."""
+        """DPO gradients of `pairs` into the policy's .grad (zeroed first; reduced over ranks); the batch's
+        samples and the strategy's statistics summed over ranks (DPOLoss's pair statistics included). Every
+        rank calls it with the same pairs."""
         if not pairs:
             raise ValueError("pairs: empty batch")
+        mine = pair_samples(dist.shard(pairs, _pair_cost, dist.rank(), dist.world_size()), self.policy_version)
+        ref_S = self._ref_sequence_logprobs(mine)
+        loss_fn = DPOLoss([(2 * i, 2 * i + 1) for i in range(len(mine) // 2)], ref_S, beta=self.beta,
+                          num_pairs=len(pairs)) if mine else None
         samples = pair_samples(pairs, self.policy_version)
-        ref_S = sequence_logprobs(self.ref_model, samples, self.config.logprob_chunk_tokens)
-        loss_fn = DPOLoss([(2 * i, 2 * i + 1) for i in range(len(pairs))], ref_S, beta=self.beta)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.forward_backward(self.model, samples, loss_fn, LossNormaliser.from_samples(samples))
-        return samples, stats
+        with dist.step_pass(self.model, self.config.fsdp, self._zero_weight_loss):
+            stats = self._run_strategy(mine, loss_fn, LossNormaliser.from_samples(samples))
+        return samples, dist.all_reduce_stats_(stats)
+
+    def _ref_sequence_logprobs(self, samples: Sequence[TrainSample]) -> torch.Tensor:
+        """Each of this rank's samples' summed completion log-prob under the reference model (float64 [S]).
+        Every rank calls it, with samples or none: under per-layer residency the sharded reference runs its
+        packs in lock step (layered.sample_logprobs), under "full" it is gathered whole for the pass."""
+        chunk = self.config.logprob_chunk_tokens
+        with dist.forward_only(self.ref_model, self.config.fsdp):
+            if self._ref_lockstep is not None:
+                per_sample = layered.sample_logprobs(self.ref_model, samples, self._ref_lockstep,
+                                                     max_tokens=self.config.micro_batch_tokens, chunk_rows=chunk)
+                if not per_sample:
+                    return torch.zeros(0, dtype=torch.float64)
+                return torch.stack([lp.sum() for lp in per_sample])
+            if not samples:
+                return torch.zeros(0, dtype=torch.float64)
+            return sequence_logprobs(self.ref_model, samples, chunk)
 
     def step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:  # type: ignore[override]
         """One optimizer step on a batch of pairs. Returns metrics named trainer/<group>/<name>."""
+        with dist.rank_errors():
+            return self._dpo_step(pairs)
+
+    def _dpo_step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
         start_s = time.monotonic()
         samples, stats = self.backward(pairs)
         metrics = pair_metrics(stats)
@@ -103,7 +140,9 @@ class DPOTrainer:
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, run_dir: Path | None = None):
         self.cfg = cfg
-        self.run_dir = run_dir or make_run_dir(cfg, resume)
+        if run_dir is None:
+            run_dir = make_run_dir(cfg, resume) if dist.is_rank0() else None
+        self.run_dir = ranks.share_run_dir(run_dir) if dist.world_size() > 1 else run_dir
         model_path = cfg.model.path or "tiny"
         self.tokenizer = models.load_tokenizer(model_path)
         adopt_template(cfg.data.chat_template, self.tokenizer)  # the checkpoints' tokenizer files carry it
@@ -128,7 +167,7 @@ class DPOTrainer:
         self.busy_s = 0.0
         self.started_s = time.monotonic()
         self.stop_reason = ""
-        self.sink = make_sink(self.run_dir, cfg)
+        self.sink = make_sink(self.run_dir if dist.is_rank0() else None, cfg)
 
     def request_stop(self, signum: int, _frame: Any = None) -> None:
         if not self.stop_reason:
@@ -145,9 +184,16 @@ class DPOTrainer:
                 signal.signal(sig, handler)
         return self.finish()
 
+    def stopping(self) -> bool:
+        """Whether to stop before the next step. On several ranks a signal seen by any rank stops all of them
+        after the same step (agreed: one all-reduce per step)."""
+        if dist.world_size() > 1 and dist.agree_max([int(bool(self.stop_reason))])[0] and not self.stop_reason:
+            self.stop_reason = "stopped by another trainer rank"
+        return bool(self.stop_reason)
+
     def train_loop(self) -> None:
         total = self.cfg.train.steps
-        while self.learner.step_count < total and not self.stop_reason:
+        while self.learner.step_count < total and not self.stopping():
             pairs = self.source.take(self.cfg.train.groups_per_step)
             if not pairs:
                 self.stop_reason = f"no more pairs: {self.source.exhausted_text()}"
@@ -171,8 +217,10 @@ class DPOTrainer:
                     "trainer/time/elapsed_s": self.wall_s_before + time.monotonic() - self.started_s}
         step = self.learner.step_count
         self.sink.log(step, metrics)
-        log.info("step %d/%d dpo loss %.4f margin %.4f accuracy %.2f", step, self.cfg.train.steps,
-                 metrics["trainer/dpo/loss"], metrics["trainer/dpo/reward_margin"], metrics["trainer/dpo/accuracy"])
+        if dist.is_rank0():
+            log.info("step %d/%d dpo loss %.4f margin %.4f accuracy %.2f", step, self.cfg.train.steps,
+                     metrics["trainer/dpo/loss"], metrics["trainer/dpo/reward_margin"],
+                     metrics["trainer/dpo/accuracy"])
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0:
             self.save_checkpoint()
@@ -210,6 +258,7 @@ class DPOTrainer:
     def finish(self) -> dict[str, Any]:
         folder = self.save_checkpoint()
         summary = self.summary() | {"checkpoint": str(folder.parent / checkpoint.LATEST)}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if dist.is_rank0():
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.sink.close()
         return summary

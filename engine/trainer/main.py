@@ -4,7 +4,7 @@ Run: tailrace trainer [--config FILE] [--train.steps 10] [--resume] [--nproc N]
 --nproc N > 1 re-executes itself under `torchrun --standalone --nproc-per-node N`; under torchrun every
 rank builds the (FSDP2-sharded) learner, rank 0 alone speaks the protocol and the others follow it
 (engine/trainer/ranks.py). With train.algorithm = "dpo" the trainer trains on preference pairs alone
-(engine/trainer/dpo_loop.py), on one rank.
+(engine/trainer/dpo_loop.py); under torchrun every rank runs that loop on its share of each step's pairs.
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
     cfg = from_dict(RunConfig, data)
     nproc = getattr(args, "nproc", 1)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        if cfg.train.algorithm == "dpo":
-            raise ValueError("--nproc: dpo trains on one rank")
         argv = torchrun_argv(nproc, args, overrides)
         os.execv(argv[0], argv)
     preflight.check_model_path(cfg.model.path)
@@ -64,8 +62,6 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
         if info.rank == 0:  # one run per run folder; held until this process exits (tailrace run's: by it)
             run_lock.take(run_dir, bind=cfg.trainer.bind)
         if cfg.train.algorithm == "dpo":  # preference pairs from data.source: no peers, no protocol
-            if info.world_size > 1:
-                raise ValueError("train.algorithm = dpo trains on one rank: run without torchrun")
             from tailrace.engine.trainer.dpo_loop import DPOTrainer
 
             role = DPOTrainer(cfg, resume=args.resume)
@@ -79,6 +75,9 @@ def main(args: Any, overrides: list[str], *, make_learner: Any = None) -> int:
     try:
         if cfg.train.algorithm == "dpo":
             summary = role.run()
+            if info.world_size > 1:
+                dist.shutdown()
+                summary = summary if info.rank == 0 else None
         elif info.world_size > 1:
             summary = _run_ranks(cfg, args.resume, make_learner, info.rank)
             dist.shutdown()

@@ -8,10 +8,9 @@ evaluation orders; with float64 norms the same models agree to ~1e-15, so 1e-9 t
 the norm's rounding. cached_exact_model: the same, built once per test module (tests must not change it).
 """
 
-import types
-
 import pytest
 import torch
+from tiny_lms import exact_norms  # tests/tiny_lms.py, on sys.path for tests/conftest.py
 
 from tailrace.engine.core.samples import TrainSample
 from tailrace.engine.replay import dpo_loss
@@ -19,16 +18,6 @@ from tailrace.engine.trainer.learner import collate, forward_logprobs, sample_lo
 from tailrace.engine.trainer.loss import LossConfig, StepLoss
 
 EXACT_VOCAB = 8
-
-
-def exact_norms(model):
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/engine/trainer/dist_worker.py --replay replay --out OUT
 
 Trains a tiny model (float64 or float32) for --steps optimizer steps on fixed batches of unequal groups
-whose split across ranks is uneven (the last batch is one group: rank 1 has only its zero-weight unit),
+whose split across ranks is uneven (the last batch is one group: rank 1 has only its zero-weight unit);
+--dpo: the DPO learner (engine/trainer/dpo_loop.py) on fixed batches of preference pairs split as unevenly
+(pair_batches), against a reference model unlike the policy;
 optionally saving a DCP checkpoint after --save-at steps or resuming from --resume. Rank 0 writes the
 served weights (rank 0's gathered state dict) before training and after every step to OUT
 (torch.save). --die-at-step N makes rank 1
@@ -26,14 +28,17 @@ import torch
 VOCAB = 64
 
 
-def tiny_model(arch: str, dtype: torch.dtype, layers: int = 2) -> torch.nn.Module:
+def tiny_model(arch: str, dtype: torch.dtype, layers: int = 2, seed: int = 0, exact: bool = False) -> torch.nn.Module:
     """The trainer tests' learner_model (tests/engine/trainer/conftest.py) with room for 256 positions,
-    from the tests' one builder, tests/tiny_lms.py, loaded by its path (this script runs outside pytest)."""
+    from the tests' one builder, tests/tiny_lms.py, loaded by its path (this script runs outside pytest).
+    exact: RMSNorms in the model's dtype (tiny_lms.exact_norms), for DPO's loss, a sigmoid of sequence sums
+    that turns the float32 norm's ~1e-8 differences between pack layouts into gradient differences."""
     spec = importlib.util.spec_from_file_location("tiny_lms", Path(__file__).resolve().parents[2] / "tiny_lms.py")
     tiny_lms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny_lms)
-    return tiny_lms.build(arch, dtype=dtype, max_position_embeddings=256, tie_word_embeddings=arch == "qwen2",
-                          num_hidden_layers=layers)
+    model = tiny_lms.build(arch, seed=seed, dtype=dtype, max_position_embeddings=256,
+                           tie_word_embeddings=arch == "qwen2", num_hidden_layers=layers)
+    return tiny_lms.exact_norms(model) if exact else model
 
 
 def batches():
@@ -66,6 +71,26 @@ def batches():
             [group(3, 6, 5)]]
 
 
+def pair_batches():
+    """Three batches of preference pairs: four pairs (two share their prompt, one chosen/rejected share a
+    first token), then a pair larger than one pack beside a small one, then a single pair."""
+    from tailrace.engine.data.dpo_pairs import PreferencePair
+
+    gen = torch.Generator().manual_seed(2)
+    next_id = iter(range(1000))
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+    def pair(prompt: list[int], chosen: int, rejected: int) -> PreferencePair:
+        return PreferencePair(next(next_id), prompt, ids(chosen), ids(rejected))
+
+    shared = ids(7)
+    first = [pair(shared, 5, 3), pair(ids(4), 2, 6), pair(shared, 4, 4), pair(ids(9), 3, 1)]
+    first[1] = dataclasses.replace(first[1], rejected_ids=[first[1].chosen_ids[0], *first[1].rejected_ids[1:]])
+    return [first, [pair(ids(30), 12, 10), pair(ids(3), 2, 2)], [pair(ids(6), 4, 3)]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replay", default="replay")
@@ -95,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raise-at-step", type=int, default=0)
     ap.add_argument("--instrument", action="store_true")
     ap.add_argument("--corrupt-plan", action="store_true", help="rank 1 plans one micro-batch more than agreed")
+    ap.add_argument("--dpo", action="store_true", help="the DPO learner on pair_batches()")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -109,14 +135,21 @@ def main(argv: list[str] | None = None) -> int:
                                          cpu_offload=args.cpu_offload, step_residency=args.step_residency,
                                          check_schedule=args.check_schedule),
                          gradient_checkpointing=args.activation_checkpointing, ppo_epochs=args.ppo_epochs,
-                         minibatches=args.minibatches, loss_agg=args.loss_agg, kl_coef=args.kl)
+                         minibatches=args.minibatches, loss_agg=args.loss_agg, kl_coef=args.kl,
+                         algorithm="dpo" if args.dpo else "grpo", dpo_beta=0.5)
     adapters = LoRAConfig(r=args.lora, target_modules=("all-linear",))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dtype = getattr(torch, args.dtype)
     ref = tiny_model(args.arch, dtype, args.layers).to(args.device) if args.kl > 0 else None
-    learner = Learner(tiny_model(args.arch, dtype, args.layers).to(args.device), config, lora_config=adapters,
-                      ref_model=ref)
+    model = tiny_model(args.arch, dtype, args.layers, exact=args.dpo).to(args.device)
+    if args.dpo:
+        from tailrace.engine.trainer.dpo_loop import DPOLearner
+
+        ref = tiny_model(args.arch, dtype, args.layers, seed=1, exact=True).to(args.device)  # its log-probs matter
+        learner = DPOLearner(model, config, lora_config=adapters, ref_model=ref)
+    else:
+        learner = Learner(model, config, lora_config=adapters, ref_model=ref)
     if args.die_at_step:
         _die_in_step(learner, args.die_at_step)
     if args.raise_at_step:
@@ -131,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         learner._lockstep = dataclasses.replace(learner._lockstep, agree_max=one_more)
     if args.resume:
         checkpoint.load(args.resume, learner)
-    out: dict = {"steps": [], "grad_norms": [], "initial": learner.state_dict_for_broadcast()}
+    out: dict = {"steps": [], "grad_norms": [], "losses": [], "initial": learner.state_dict_for_broadcast()}
     collectives, meter = dist.CollectiveLog(), dist.ResidencyMeter(learner.model)
-    for i, batch in enumerate(batches()[: args.steps]):
+    for i, batch in enumerate((pair_batches() if args.dpo else batches())[: args.steps]):
         if i < learner.step_count:
             continue  # trained before the checkpoint
         if args.instrument:
@@ -142,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             metrics = learner.step(batch)
         out["grad_norms"].append(metrics["trainer/grad/norm"])
+        out["losses"].append(metrics["trainer/dpo/loss" if args.dpo else "trainer/loss/total"])
         out["steps"].append(learner.state_dict_for_broadcast())
         if args.save_at and learner.step_count == args.save_at:
             checkpoint.save(args.ckpt, learner, data_position={"batch": i + 1})

@@ -4,10 +4,10 @@
         --cases '[{"tokens": 1024, "shape": {"hidden_size": 64, ...}}]'
 
 Builds the test's tiny Qwen2 (float32, FSDP2 through the Learner), takes one warm-up step so AdamW's
-moments exist, then measures the live-bytes peak of later steps above what was alive before each
-(engine/trainer/plan.py live_bytes) in each residency: "full" is Learner.step (every unit gathered for the
-step, dist.gathered); "layer" is standard per-layer FSDP2 (forward and backward with gradient sync on, each
-layer resharded after forward and reduce-scattered in backward) followed by the Learner's update. Rank 0
+moments exist, then measures the live-bytes peak of later Learner.step calls above what was alive before
+each (engine/trainer/plan.py live_bytes) in each train.fsdp.step_residency, the product's own path: "full"
+(every unit gathered for the step, dist.gathered) and "layer" (per-layer FSDP2: each layer gathered in its
+forward, resharded after it, reduce-scattered in its backward; the micro-batches in lock step). Rank 0
 writes, per case, {residency: [peak per rank]} to OUT.
 """
 
@@ -48,21 +48,6 @@ def model_and_groups(tokens: int, **shape):
     return model, group
 
 
-def layer_step(learner, groups) -> None:
-    """Per-layer residency: plain FSDP2 forward/backward per micro-batch of this rank's group, then update."""
-    from tailrace.engine.trainer import dist
-    from tailrace.engine.trainer.learner import collate, forward_logprobs
-
-    samples = groups[dist.rank()].samples
-    learner.model.train()
-    learner.optimizer.zero_grad(set_to_none=True)
-    for i in range(len(samples)):
-        mb = collate(samples, [i], learner.device)
-        logp_N, _ = forward_logprobs(learner.model, mb, chunk_rows=learner.config.logprob_chunk_tokens)
-        (logp_N.sum() * 1e-3).backward()
-    learner._update()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -81,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append({})
         for residency in ("full", "layer"):
             model, group = model_and_groups(case["tokens"], **case["shape"])
-            fsdp = FSDPConfig(mixed_precision=case.get("mixed_precision", "auto"))
+            fsdp = FSDPConfig(mixed_precision=case.get("mixed_precision", "auto"), step_residency=residency)
             learner = Learner(model, TrainConfig(replay="naive", micro_batch_tokens=case["tokens"],
                                                  groups_per_step=2, logprob_chunk_tokens=args.chunk, fsdp=fsdp))
             peak = None
             for step in range(1 + MEASURED_STEPS):
                 groups = [group(2 * step), group(2 * step + 1)]
                 with plan.live_bytes() as measured:
-                    learner.step(groups) if residency == "full" else layer_step(learner, groups)
+                    learner.step(groups)
                 if step > 0:
                     peak = measured["peak"] if peak is None else min(peak, measured["peak"])
             peaks: list = [None] * dist.world_size()

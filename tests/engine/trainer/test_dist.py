@@ -3,7 +3,8 @@
 The workers (tests/engine/trainer/dist_worker.py) train a tiny model on batches of unequal groups whose split is
 uneven (the second batch gives the ranks unequal pack counts, the last leaves rank 1 no samples: only padding
 micro-batches under per-layer residency, only its zero-weight unit under "full"); one rank is the reference.
-Depth-first replay runs across ranks only under train.fsdp.step_residency = "full" (FULL below).
+Depth-first replay runs across ranks only under train.fsdp.step_residency = "full" (FULL below). With
+--dpo the workers run the DPO learner on preference pairs split as unevenly.
 Run: pytest tests/engine/trainer/test_dist.py  (the slow ones: -m slow)
 """
 
@@ -354,3 +355,29 @@ def test_layer_major_refuses_full_residency(tmp_path):
     proc = _worker(tmp_path / "full.pt", "--replay", "layer_major", *FULL, "--timeout-s", "60", nproc=2, check=False)
     assert proc.returncode != 0
     assert 'train.replay = "layer_major" runs FSDP\'s per-layer schedule itself' in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------- DPO on ranks
+
+
+@pytest.mark.parametrize("replay,residency,nproc,extra", [
+    ("packed", "layer", 2, ()),
+    pytest.param("replay", "layer", 2, (), marks=pytest.mark.slow),  # a pair larger than a pack: layer-major
+    pytest.param("layer_major", "layer", 2, (), marks=pytest.mark.slow),
+    pytest.param("replay", "full", 2, (), marks=pytest.mark.slow),  # depth-first replay, each model gathered whole
+    pytest.param("auto", "layer", 4, (), marks=pytest.mark.slow),  # ranks without a pair in every step but the first
+    pytest.param("packed", "layer", 2, ("--lora", "4", "--activation-checkpointing"), marks=pytest.mark.slow,
+                 id="packed-layer-2-lora-checkpointing"),
+])
+def test_dpo_on_several_ranks_equals_one_rank(tmp_path, replay, residency, nproc, extra):
+    """The DPO learner, float64, 3 steps of pairs split unevenly (the last step leaves rank 1 no pair): its
+    share of the pairs on each rank, the loss the mean over all ranks' pairs, the reference model sharded
+    like the policy: the weights, gradient norms and DPO losses of 2 (4) ranks == 1 rank; every rank ran
+    the same collectives (the reference's log-probs included)."""
+    args = ("--dpo", "--replay", replay, "--step-residency", residency, *extra)
+    one = _train(tmp_path, "one", *args, nproc=1)
+    many = _train(tmp_path, "many", *args, "--instrument", "--check-schedule", nproc=nproc)
+    _assert_equal_steps(one, many)
+    assert many["losses"] == pytest.approx(one["losses"], rel=1e-12)
+    assert min(one["grad_norms"]) > 0.1  # the pairs move the policy: equal weights are not the initial ones
+    assert all(log == many["collectives"][0] for log in many["collectives"])

@@ -288,3 +288,29 @@ def test_tailrace_run_then_trainer_resume_as_processes(tmp_path):
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["data_position"] == {"rows_consumed": 6} and state["policy_version"] == 3
     AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tailrace_run_of_dpo_on_two_trainer_ranks(tmp_path):
+    """`tailrace run` with launch.trainer_ranks = 2 trains DPO under torchrun (each rank its share of a
+    step's pairs): rank 0's metrics are one rank's (float32), its checkpoint (saved by both ranks) resumes
+    on one rank."""
+    data = write_pairs(tmp_path / "pairs.jsonl", 12)
+    args = ["--train.algorithm", "dpo", "--data.source", str(data), "--train.lr", "1e-3", "--train.groups_per_step",
+            "3", "--train.steps", "3", "--trainer.runs_dir", str(tmp_path / "runs")]
+    DPOTrainer(load_config(None, [*args, "--trainer.run_name", "one"])).run()
+    proc = _cli(["run", *args, "--trainer.run_name", "two", "--launch.trainer_ranks", "2", "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 trainer ranks (torchrun)" in proc.stdout
+    lines = {name: [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+             for name in ("one", "two")}
+    assert [m["step"] for m in lines["two"]] == [1, 2, 3]  # rank 0's lines only
+    for key in ("trainer/dpo/loss", "trainer/dpo/reward_margin", "trainer/grad/norm", "trainer/tokens/logical"):
+        assert [m[key] for m in lines["two"]] == pytest.approx([m[key] for m in lines["one"]], rel=1e-3, abs=1e-5), key
+    summary = json.loads((tmp_path / "runs" / "two" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["pairs_trained"] == 9
+    state = json.loads((tmp_path / "runs" / "two" / "checkpoint" / "step_000003" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["data_position"] == {"rows_consumed": 9}
+    resumed = DPOTrainer(load_config(None, [*args, "--trainer.run_name", "two", "--train.steps", "4"]), resume=True)
+    assert resumed.run()["steps"] == 4
