@@ -1,5 +1,6 @@
 """The documentation stays a landing page plus pages that hold together: README.md is short, every relative
-link in README.md and docs/*.md reaches a file (and the heading its #anchor names), and the from-scratch
+link in README.md and docs/*.md reaches a file (and the heading its #anchor names), every repository file they
+and protocol/SPEC.md name in prose or code (`tests/...py`, `examples/...`) exists, and the from-scratch
 tokenizer recipe of docs/model-and-data.md builds what tailrace loads.
 
 Run: pytest tests/test_docs.py
@@ -75,6 +76,30 @@ def test_the_checker_sees_links_and_anchors(tmp_path):
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_relative_links_reach_a_file_and_heading(page):
     assert broken_links(page) == []
+
+
+REPO_PATH = re.compile(r"(?<![\w./-])((?:engine|kernels|protocol|tools|tests|examples|docs)/"
+                       r"[\w./-]*\w\.(?:py|sh|toml|md|txt|jsonl))")
+
+
+def missing_paths(page: Path) -> list[str]:
+    """Repository files a page names anywhere (prose, code spans, code blocks) that do not exist."""
+    named = sorted(set(REPO_PATH.findall(page.read_text(encoding="utf-8"))))
+    return [name for name in named if not (ROOT / name).exists()]
+
+
+def test_the_path_checker_sees_paths_in_prose_and_code(tmp_path):
+    (tmp_path / "a.md").write_text("See tests/test_docs.py and `tests/engine/gone.py`; runs/x/a.py is not ours.\n"
+                                   "```\npython examples/nowhere/x.py --out docs/y.md\n```\n")
+    assert missing_paths(tmp_path / "a.md") == ["docs/y.md", "examples/nowhere/x.py", "tests/engine/gone.py"]
+
+
+SPEC = ROOT / "protocol" / "SPEC.md"
+
+
+@pytest.mark.parametrize("page", [*PAGES, SPEC], ids=[p.name for p in [*PAGES, SPEC]])
+def test_repository_files_named_in_the_docs_exist(page):
+    assert missing_paths(page) == []
 
 
 def test_the_docs_are_linked_from_the_readme():

@@ -4,12 +4,14 @@
   Hugging Face's `kernels`, and gets no `kernels` at all where none is installed;
 - plain `pytest` and `python -m pytest` both run from the repository root;
 - constraints.txt pins every dependency within pyproject.toml's ranges (tools/pin.py writes it);
+- CI (.ci/run) runs README's two Quickstart commands verbatim, and its drift stage runs tools/drift.py;
 - slow: a fresh venv with the newest transformers and `kernels` runs `tailrace run` and a test file from
   the repository root (CI's drift stage, tools/drift.py, does the same with every newest release).
 Run: pytest tests/test_install.py (and -m slow for the fresh venv)
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +101,21 @@ def test_constraints_pin_every_dependency_within_pyproject_ranges():
         assert req.specifier.contains(pins[name], prereleases=True), \
             f"constraints.txt pins {name}=={pins[name]} outside pyproject.toml's {req.specifier}"
     assert "tailrace" not in pins and pins["torch"] == "2.13.0"
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    """Both commands of README's Quickstart are lines of .ci/run as they stand, and they install the pinned set."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## Quickstart\n")
+    quickstart = readme[start:readme.index("\n## ", start + 1)]
+    commands = re.findall(r"```bash\n(.*?)\n```", quickstart, re.S)
+    assert len(commands) == 2 and all("\n" not in c for c in commands), commands
+    assert commands[0].endswith("tailrace run") and commands[1].endswith("python -m pytest"), commands
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert "-c constraints.txt" in command, command
+        assert command in ci, f".ci/run does not run README's command verbatim: {command}"
+    assert any("python tools/drift.py" in line and not line.lstrip().startswith("#") for line in ci)
 
 
 def test_pin_renders_what_it_reads(tmp_path):

@@ -11,7 +11,8 @@ finished sample at once, and takes new weights between decode steps.
     stats loop  sends Stats and the spans recorded since (engine/generator/spans.py) every trainer stats interval
     receive     per broadcast WeightsNotice, one at a time in the trainer's order: joins the weight group and
                 receives the version in a worker thread (engine/core/broadcast.py Receiver), acknowledges
-                (WeightsAck), sets it ready for the main loop; on any failure fetches it by chunks instead
+                (WeightsAck), sets it ready for the main loop; on any failure fetches it by chunks instead;
+                an error it raises beyond that ends the session, as one of the loops' does (receive_done)
 Drafter sharing (with speculation): every DRAFTER_PUBLISH_STEPS spot-training steps the drafter is
 exported into a small local WeightsStore and announced to the trainer (WeightsNotice "drafter"), which
 fetches it from here (WeightsFetch -> WeightsChunk) and republishes it to every generator; a newer
@@ -165,6 +166,7 @@ class GeneratorService:
         self.receiver = broadcast_receiver(cfg, self.backend, address)  # None: new weights by chunks only
         self.receiving = asyncio.Lock()  # broadcasts are received in the order the trainer sent them
         self.receive_tasks: set[asyncio.Task] = set()
+        self.receive_failed: asyncio.Task | None = None  # a receive task that raised: the main loop surfaces it
         self.weights_by = collections.Counter()  # "broadcast" / "chunks" / "broadcast_failed": versions taken
         # Drafter sharing, only with speculation: what we serve to the trainer, what we fetch from it.
         self.drafter_store = WeightsStore(cfg.trainer.weights_chunk_bytes) if self.spot is not None else None
@@ -243,6 +245,7 @@ class GeneratorService:
             welcome = await self.client.connect(timeout_s=CONNECT_TIMEOUT_S, retry_for_s=self.connect_for_s,
                                                 waiting_every_s=WAITING_EVERY_S)
             log.info("%s connected to run %s (policy version %d)", self.name, welcome.run_id, welcome.policy_version)
+            self.receive_failed = None  # one of an earlier session ended that session
             recv = asyncio.create_task(self.recv_loop(), name="recv")
             stats = asyncio.create_task(self.stats_loop(), name="stats")
             for task in (recv, stats):
@@ -311,11 +314,19 @@ class GeneratorService:
         s.policy_version = b.policy_version
         s.drafter_has_data = self.spot is not None and self.spot.has_data()
 
+    def receive_done(self, task: asyncio.Task) -> None:
+        """A receive task ended. An error it raised (it handles a failed broadcast itself: chunks instead)
+        is kept for the main loop to raise, so it ends the session with its message instead of vanishing."""
+        self.receive_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.receive_failed is None:
+            self.receive_failed = task
+            self.wakeup.set()  # an idle main loop must see it
+
     async def main_loop(self, recv: asyncio.Task, stats: asyncio.Task) -> None:
         while True:
-            for task in (recv, stats):
-                if task.done():
-                    task.result()  # surface a dead connection or a bug in the recv or stats loop
+            for task in (recv, stats, self.receive_failed):
+                if task is not None and task.done():
+                    task.result()  # surface a dead connection or a bug in the recv, stats or a receive task
             self.refresh()
             while self.ended:
                 done = self.ended.pop(0)
@@ -478,7 +489,7 @@ class GeneratorService:
             elif isinstance(msg, m.WeightsNotice) and msg.transport == "broadcast":
                 task = asyncio.create_task(self.on_broadcast_notice(msg), name=f"broadcast-v{msg.version}")
                 self.receive_tasks.add(task)
-                task.add_done_callback(self.receive_tasks.discard)
+                task.add_done_callback(self.receive_done)
             elif isinstance(msg, m.WeightsNotice):
                 await (self.on_drafter_notice(msg) if msg.model == "drafter" else self.on_notice(msg))
             elif isinstance(msg, m.WeightsChunk):

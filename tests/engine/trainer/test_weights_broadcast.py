@@ -119,6 +119,43 @@ async def test_a_late_joiner_gets_the_broadcast_and_one_that_cannot_join_gets_ch
 
 
 @pytest.mark.timeout(60)
+async def test_an_error_in_a_receive_task_ends_the_session_with_its_message(broadcast_run):
+    """A receive task is started by the recv loop, beside the main loop: an error it raises past its own
+    fallback (here its WeightsAck cannot be sent) ends the session through the main loop, never vanishes."""
+    gen = GeneratorService(load_config(None, broadcast_run), "tcp://127.0.0.1:1", name="g")
+    notice = WeightsNotice(
+        model="policy", version=3, num_chunks=2, num_tensors=38, total_bytes=1, transport="broadcast",
+        broadcast_store="127.0.0.1:1", broadcast_group="w1", broadcast_backend="gloo", broadcast_rank=1,
+        broadcast_world_size=2, broadcast_bucket_bytes=1024, broadcast_layout=gen.receiver.fingerprint,
+        broadcast_timeout_s=1.0)
+    inbox = [notice]
+
+    class Client:
+        async def recv(self):
+            if inbox:
+                return inbox.pop()
+            await asyncio.Event().wait()  # nothing more from the trainer
+
+        async def send(self, msg):
+            if isinstance(msg, WeightsAck):
+                raise RuntimeError("the ack could not be sent")
+
+    def receive(notice):
+        raise RuntimeError("Connection closed by peer")
+
+    gen.client, gen.receiver.receive = Client(), receive
+    gen.state.exhausted = True  # no work: the main loop idles until something wakes it
+    recv = asyncio.create_task(gen.recv_loop())
+    forever = asyncio.get_running_loop().create_future()
+    try:
+        with pytest.raises(RuntimeError, match="the ack could not be sent"):
+            await asyncio.wait_for(gen.main_loop(recv, forever), 30)
+    finally:
+        recv.cancel()
+    assert gen.weights_by["broadcast_failed"] == 1 and not gen.receive_tasks
+
+
+@pytest.mark.timeout(60)
 async def test_a_failed_broadcast_is_acknowledged_and_the_same_version_fetched_by_chunks(broadcast_run):
     gen = GeneratorService(load_config(None, broadcast_run), "tcp://127.0.0.1:1", name="g")
     sent = []
