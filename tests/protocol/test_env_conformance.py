@@ -190,6 +190,7 @@ async def test_spec_env_server_runs_episodes_through_the_broker():
     finally:
         await gen.close()
         await server.close("test over")
+        await asyncio.to_thread(spec.join, 5.0)  # it ends on the Shutdown; stop is the backstop
         spec.stop.set()
         await asyncio.to_thread(spec.join, 5.0)
     assert spec.failure is None
