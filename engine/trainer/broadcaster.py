@@ -5,16 +5,20 @@
         excluded; re-forms the group when they changed; sends each member a broadcast WeightsNotice;
         joins and broadcasts in a worker thread (asyncio.to_thread), so the event loop and the train loop
         never wait for it; a newer version offered meanwhile is the next one sent (older ones are skipped)
-    generators --WeightsAck--> on_ack: not ok -> that generator is excluded (served by chunks from then on)
+    generators --WeightsAck--> on_ack: not ok for a version whose broadcast failed for the whole group: nothing
+        (the member is healthy); else that generator is excluded: served by chunks for 8, 16, .. (at most 64)
+        versions after each failure in a row, then a member again
 
 One group for all members, re-formed when membership changes, rather than one small group per generator:
 measured with gloo on 2 CPU cores over loopback (tools/bench.py weights, `per_generator_s_by_n`;
 docs/weights-broadcast.md) the two are within noise of each other (N = 4, 64 MB: 0.47 s vs 0.46 s), and
 only a group of N+1 lets gloo / NCCL fan the bytes out so the trainer's egress stays ~1x the model on a
 real network. Its cost: a frozen member fails one version for all (they fetch it by chunks). A member that
-never joins is named by the bounded rendezvous (Group.join) and excluded; a failure mid-broadcast (a member
+never joins is named by the bounded rendezvous (Group.join) and excluded the same way; a failure mid-broadcast (a member
 killed or frozen) costs one timeout: the group is dropped, each member falls back to chunks by itself after
-its own bounded wait, and the next version re-forms the group. Test: pytest tests/engine/core/test_broadcast.py tests/faults/test_broadcast_faults.py
+its own bounded wait, and the next version re-forms the group.
+Test: pytest tests/engine/core/test_broadcast.py tests/engine/trainer/test_weights_broadcast.py
+      tests/faults/test_broadcast_faults.py
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ def weights_summary(counters: collections.Counter, generator_stats: dict[str, m.
                                   if k.startswith("trainer/weights/")}}
 
 
+EXCLUDE_VERSIONS = 8  # a member that failed on its own is served by chunks this many versions, then tried again
+EXCLUDE_MAX_VERSIONS = 64  # ... twice as long after each further failure in a row, at most this
+
+
 class Broadcaster:
     def __init__(self, server: Any, counters: collections.Counter, *, bucket_bytes: int, timeout_s: float,
                  device: Any = "cpu"):
@@ -73,19 +81,24 @@ class Broadcaster:
         self.group: Group | None = None
         self.members: tuple[bytes, ...] = ()
         self.num_groups = 0
-        self.excluded: set[bytes] = set()  # peer ids served by chunks from now on
+        self.excluded: dict[bytes, int] = {}  # peer id -> the first version it may be a member of again
+        self.strikes: collections.Counter[bytes] = collections.Counter()  # failures since its last success
         self.received: dict[bytes, int] = {}  # peer id -> newest version broadcast to it
         self.latest: tuple[int, dict, m.WeightsNotice] | None = None
         self.layout = ""  # fingerprint of the published state dicts
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.last_s_by_version: dict[int, float] = {}
+        self.sending: int | None = None  # the version whose broadcast runs now
+        self.failed: collections.deque[int] = collections.deque(maxlen=64)  # versions whose broadcast failed
+        self.refusals: dict[int, dict[bytes, str]] = {}  # version being sent -> members that acknowledged not ok
 
     # ------------------------------------------------------------------------------------ from the service
 
     def can_join(self, peer: Any) -> bool:
         caps = peer.hello.capabilities
-        return (peer.role == "generator" and peer.id not in self.excluded and bool(self.layout)
+        version = self.latest[0] if self.latest is not None else 0
+        return (peer.role == "generator" and version >= self.excluded.get(peer.id, 0) and bool(self.layout)
                 and caps.get("weights_layout") == self.layout
                 and self.backend in str(caps.get("weights_broadcast", "")).split(","))
 
@@ -99,7 +112,8 @@ class Broadcaster:
         """A peer joined or left: the next pass re-forms the group (and serves a newcomer the latest)."""
         if peer.event != "joined":
             self.received.pop(peer.id, None)
-            self.excluded.discard(peer.id)
+            self.excluded.pop(peer.id, None)
+            self.strikes.pop(peer.id, None)
         self.wake.set()
 
     def on_ack(self, peer: Any, msg: m.WeightsAck) -> None:
@@ -107,12 +121,25 @@ class Broadcaster:
             self.counters["trainer/weights/broadcast_acks"] += 1
             return
         self.counters["trainer/weights/broadcast_refused"] += 1
-        log.warning("generator %s could not take version %d by broadcast (%s): serving it by chunks", peer.name,
-                    msg.version, msg.text)
-        self.exclude(peer.id)
+        if msg.version in self.failed:  # the whole group's failure (another member froze or died), not its own
+            return
+        if msg.version == self.sending:  # decided when the trainer's side of the broadcast ends
+            self.refusals.setdefault(msg.version, {})[peer.id] = peer.name
+            return
+        self._refused(peer.id, peer.name, msg.version, msg.text)
+
+    def _refused(self, peer_id: bytes, name: str, version: int, text: str) -> None:
+        log.warning("generator %s could not take version %d by broadcast (%s): serving it by chunks for a while",
+                    name, version, text)
+        self.exclude(peer_id)
 
     def exclude(self, peer_id: bytes) -> None:
-        self.excluded.add(peer_id)
+        """Serve the peer by chunks for a while: EXCLUDE_VERSIONS, twice that, ... up to EXCLUDE_MAX_VERSIONS
+        versions after each failure in a row, then it is a member again (one too slow to join once under load
+        comes back; one that can never join costs the group an aborted version ever more rarely)."""
+        self.strikes[peer_id] += 1
+        version = self.latest[0] if self.latest is not None else 0
+        self.excluded[peer_id] = version + min(EXCLUDE_VERSIONS << (self.strikes[peer_id] - 1), EXCLUDE_MAX_VERSIONS)
         self.received.pop(peer_id, None)
         self.wake.set()
 
@@ -152,16 +179,30 @@ class Broadcaster:
                 broadcast_bucket_bytes=self.bucket_bytes, broadcast_layout=self.layout,
                 broadcast_timeout_s=self.timeout_s))
         started = time.monotonic()
+        self.sending = version
+        try:
+            await self._send_bytes(version, group, fresh, state, peers, ids, started)
+        finally:
+            self.sending = None
+            refusals = self.refusals.pop(version, {})
+        if version not in self.failed:  # it reached the others: those that said not ok failed on their own
+            for peer_id, name in refusals.items():
+                self._refused(peer_id, name, version, "acknowledged not ok")
+
+    async def _send_bytes(self, version: int, group: Group, fresh: bool, state: dict, peers: list,
+                          ids: tuple[bytes, ...], started: float) -> None:
         try:
             await asyncio.to_thread(self._broadcast, group, fresh, state)
         except JoinFailed as exc:
             self.counters["trainer/weights/broadcast_failed"] += 1
+            self.failed.append(version)
             log.warning("weights v%d by broadcast: %s; excluding them, the others fall back to chunks", version, exc)
             for rank in exc.missing:
                 self.exclude(peers[rank - 1].id)
             await asyncio.to_thread(self.drop_group)
         except Exception as exc:  # a lost or frozen member (gloo / NCCL error or timeout): bounded, not fatal
             self.counters["trainer/weights/broadcast_failed"] += 1
+            self.failed.append(version)
             log.warning("weights v%d by broadcast failed after %.1f s (%s: %s): group dropped, members fall back "
                         "to chunks, the next version re-forms it", version, time.monotonic() - started,
                         type(exc).__name__, exc)
@@ -171,6 +212,7 @@ class Broadcaster:
             self.last_s_by_version[version] = time.monotonic() - started
             for peer_id in ids:
                 self.received[peer_id] = version
+                self.strikes.pop(peer_id, None)
 
     def _broadcast(self, group: Group, fresh: bool, state: dict) -> None:
         from tailrace.engine.core.broadcast import pack

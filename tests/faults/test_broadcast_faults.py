@@ -26,7 +26,7 @@ def _log(run_dir, name):
 @pytest.mark.timeout(400)
 def test_a_generator_frozen_then_killed_mid_broadcast_never_hangs_the_trainer(tmp_path):
     runs = tmp_path / "runs"
-    steps = 40
+    steps = 100  # long enough that the run outlives the frozen member's failed broadcast on an idle machine too
     args = fk.run_args(runs, "bc", steps=steps, extra=(
         "--trainer.weights_broadcast_timeout_s", str(TIMEOUT_S), "--trainer.heartbeat_interval_s", "0.5",
         "--trainer.missed_heartbeats", "80", "--controller.lease_s", "20"))  # frozen: still a member for 40 s
@@ -53,5 +53,7 @@ def test_a_generator_frozen_then_killed_mid_broadcast_never_hangs_the_trainer(tm
     bc = summary["weights_broadcast"]
     assert bc.get("broadcast_failed", 0) >= 1 and bc.get("broadcasts", 0) >= 2, bc
     # The restarted gen-1 and gen-0 took versions by broadcast after the fault.
-    assert summary["weights_by_generator"]["gen-0"]["by_broadcast"] >= 1, summary["weights_by_generator"]
+    # gen-0's own receive failed with the frozen member's group: it stays a member (not served by chunks
+    # from then on), so it takes versions by broadcast after the fault too.
+    assert summary["weights_by_generator"]["gen-0"]["by_broadcast"] > at_freeze + 2, summary["weights_by_generator"]
     assert summary["weights_by_generator"]["gen-1"]["by_broadcast"] >= 1, summary["weights_by_generator"]

@@ -176,3 +176,50 @@ async def test_a_failed_broadcast_is_acknowledged_and_the_same_version_fetched_b
     assert isinstance(sent[0], WeightsAck) and not sent[0].ok and "Connection closed" in sent[0].text, sent
     assert sent[1:] == [WeightsFetch(model="policy", version=3, chunk_index=0)]
     assert gen.weights_by["broadcast_failed"] == 1 and gen.state.ready_weights is None
+
+
+class _Peer:
+    def __init__(self, name, event="joined"):
+        self.id, self.name, self.role, self.event = name.encode(), name, "generator", event
+        self.hello = type("Hello", (), {"capabilities": {"weights_layout": "L", "weights_broadcast": "gloo"}})()
+
+
+async def test_a_member_is_excluded_for_its_own_failures_only_and_comes_back():
+    """A not-ok acknowledgement of a version whose broadcast failed for the whole group (another member
+    froze) leaves the member in; one of a version the others received, or a missed join, excludes it for
+    8 versions, then 16 after a second failure in a row; it is a member again after each pause."""
+    from collections import Counter
+
+    from tailrace.engine.trainer.broadcaster import Broadcaster
+
+    b = Broadcaster(server=None, counters=Counter(), bucket_bytes=1 << 20, timeout_s=1.0)
+    b.layout = "L"
+    healthy, slow = _Peer("gen-0"), _Peer("gen-1")
+
+    def at(version):
+        b.latest = (version, {}, None)
+
+    def no(peer, version):
+        b.on_ack(peer, WeightsAck(model="policy", version=version, ok=False, text="timeout"))
+
+    at(3)
+    b.failed.append(3)
+    no(healthy, 3)  # the group's failure: still a member
+    assert b.can_join(healthy)
+    b.sending = 4
+    no(healthy, 4)  # while the trainer's side still runs: decided when it ends
+    assert b.can_join(healthy) and b.refusals[4] == {healthy.id: "gen-0"}
+    b.sending = None
+    no(slow, 2)  # a version the others received: its own failure
+    assert not b.can_join(slow)
+    at(3 + 7)
+    assert not b.can_join(slow)
+    at(3 + 8)
+    assert b.can_join(slow)
+    b.exclude(slow.id)  # a second failure in a row (a missed join): twice as long
+    at(11 + 15)
+    assert not b.can_join(slow)
+    at(11 + 16)
+    assert b.can_join(slow)
+    b.membership_changed(_Peer("gen-1", event="left"))  # gone: its history too
+    assert slow.id not in b.strikes and b.can_join(slow)
