@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.benches.pipeline import BARRIER, PLAIN, _preload, run_pipeline, workload
-from tools.benches.pipeline_costs import _prompts, _sampling, load_1m
+from tools.benches.pipeline_costs import _prompts, _sampling, load_1m, measure_completions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multiturn" / "config.toml"
@@ -166,7 +166,7 @@ def generate(kind: str, quick: bool, out_path: str) -> None:
     from tailrace.engine.core import models
     from tailrace.engine.data import tasks
     from tailrace.engine.generator.episodes import Episodes, EpisodeSettings
-    from tailrace.engine.generator.torch_backend.backend import Request, TorchBackend
+    from tailrace.engine.generator.torch_backend.backend import TorchBackend
     from tailrace.protocol.env_sdk import load_class
     from tailrace.protocol.messages import WorkItem
 
@@ -179,12 +179,12 @@ def generate(kind: str, quick: bool, out_path: str) -> None:
     budget = (cfg.env.max_episode_tokens or cfg.sampling.max_new_tokens) if kind == "multiturn" \
         else cfg.sampling.max_new_tokens
     prompts = _prompts(cfg, tokenizer, num_groups, cfg.data.seed, max_len - budget)
-    backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
-                           eos_token_ids=models.eos_token_ids(model, tokenizer), seed=0)
-    sampling = _sampling(cfg, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     figures: dict[str, Any] = {}
-    start = time.perf_counter()
     if kind == "multiturn":
+        backend = TorchBackend(model, max_batch_size=cfg.generator.max_batch_size, max_model_len=max_len,
+                               eos_token_ids=models.eos_token_ids(model, tokenizer), seed=0)
+        sampling = _sampling(cfg, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        start = time.perf_counter()
         env = InProcessEnv(load_class(ENV_CLASS), {p.prompt_id: dict(p.metadata) for p in prompts})
         settings = EpisodeSettings.from_config(cfg.env)
         items = [WorkItem(group_id=p.prompt_id, prompt_token_ids=p.token_ids, num_samples=cfg.sampling.group_size,
@@ -202,12 +202,8 @@ def generate(kind: str, quick: bool, out_path: str) -> None:
                     "ended_by": dict(episodes.ended_by), "turns": [f.num_turns for f in finished]}
         groups = _train_samples(cfg, prompts, finished, lambda p, f: float(f.env_reward or 0.0))
     else:
-        for p in prompts:
-            for sid in range(cfg.sampling.group_size):
-                backend.add(Request(p.prompt_id, sid, p.token_ids, sampling))
-        finished = []
-        while backend.num_running or backend.num_waiting:
-            finished += backend.step()
+        start = time.perf_counter()
+        finished = measure_completions(cfg, model, tokenizer, prompts)  # the pipeline bench's own sampling
         wall_s = time.perf_counter() - start
 
         def score(prompt, f) -> float:
