@@ -174,22 +174,27 @@ async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_
         tmp_path):
     """On one rank the publication of version V (the weights' copy, then the notices) overlaps the next
     step's early forward/backward, but the next optimizer step waits for it: every published version holds
-    the weights its own step made. A slow copy (sleeping before it reads) makes a missing wait show."""
+    the weights its own step made. The overlap is a rendezvous, not a timing window: version 1's copy and
+    group 2's early call each wait (bounded) for the other to have started, so a publication serialised
+    behind the early call, or awaited before it, waits out the deadline and fails; a loaded machine only
+    delays both. A slow copy (sleeping before it reads) makes a missing wait before the next step show."""
+    import threading
     import time
 
     service = make_service(tmp_path, "--train.steps", "2", "--train.groups_per_step", "2",
                            "--sampling.group_size", "2")
     learner, eos = service.learner, service.tokenizer.eos_token_id
-    after_step, published, copies, calls = {}, {}, [], []  # (start, end) of each copy and early call
+    after_step, published, calls = {}, {}, []
+    copy_started, call_started = threading.Event(), threading.Event()
+    met = {}  # who saw the other one started, within the deadline
     real_gather, real_step, real_accumulate = learner.state_dict_for_broadcast, learner.step, learner.accumulate
 
     def slow_gather():
-        start = time.monotonic()
+        if learner.policy_version == 1:  # version 1's copy: the one beside group 2's early call
+            copy_started.set()
+            met["copy saw the call"] = call_started.wait(20)
         time.sleep(0.5)
-        try:
-            return real_gather()
-        finally:
-            copies.append((start, time.monotonic()))
+        return real_gather()
 
     def step(batch):
         out = real_step(batch)
@@ -197,11 +202,10 @@ async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_
         return out
 
     def accumulate(groups):
-        start = time.monotonic()
-        out = real_accumulate(groups)
-        time.sleep(0.2)  # a longer call: the copy, started just after it, overlaps it unless it waits
-        calls.append((start, time.monotonic()))
-        return out
+        call_started.set()
+        met["call saw the copy"] = copy_started.wait(20)
+        calls.append(len(groups))
+        return real_accumulate(groups)
 
     def publish(model, version, state, _publish=service.store.publish):
         published[version] = state
@@ -229,8 +233,8 @@ async def test_the_next_steps_early_backward_overlaps_the_weights_copy_and_each_
         summary = await asyncio.wait_for(run, 60)
     assert summary["steps"] == 2 and summary["samples_trained"] == 8
     assert sorted(published) == [0, 1, 2]
-    (call_start, call_end), = calls  # group 2's, while step 2 waited for group 3
-    assert any(start < call_end and call_start < end for start, end in copies[1:]), (copies, calls)
+    assert calls == [1]  # group 2's, while step 2 waited for group 3
+    assert met == {"copy saw the call": True, "call saw the copy": True}, met
     for version in (1, 2):
         assert set(published[version]) == set(after_step[version])
         for name, value in after_step[version].items():
