@@ -128,11 +128,14 @@ def notice_connect_address(notice_endpoint: str, connect_address: str) -> str:
 
 class Ticks:
     """Heartbeat clock. next() sleeps to the next tick and says whether silence may be judged now: not
-    right after the event loop stalled, when heartbeats that did arrive may still wait unread."""
+    right after the event loop stalled, when heartbeats that did arrive may still wait unread. Never twice
+    in a row: the loop ran (and read what had arrived) between the two ticks, and a loop late on every tick
+    (a loaded machine) must still judge a peer that froze, not keep it alive for ever."""
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._next_s = time.monotonic()
+        self._skipped = False
 
     async def next(self) -> bool:
         self._next_s += self.interval_s
@@ -140,7 +143,10 @@ class Ticks:
         late_s = time.monotonic() - self._next_s
         if late_s > self.interval_s:
             self._next_s = time.monotonic()
-            return False
+            if not self._skipped:
+                self._skipped = True
+                return False
+        self._skipped = False
         return True
 
 

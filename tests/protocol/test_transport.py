@@ -434,6 +434,33 @@ async def test_silent_peer_declared_dead_within_timeout(ctx, address):
             silent.close()
 
 
+async def test_a_server_loop_late_on_every_tick_still_declares_a_silent_peer_dead(ctx):
+    """A tick more than one interval late is not judged (heartbeats may wait unread after a stall), but never
+    two in a row: a loop that is late on every tick (a loaded machine, a long synchronous call each time)
+    still judges, and a live peer whose heartbeats the loop reads between stalls stays alive."""
+    interval_s, missed, stall_s = 0.05, 8, 0.15  # each tick is due inside a stall and ~0.1 s late
+
+    async def stall_the_loop():
+        while True:
+            time.sleep(stall_s)  # blocks the event loop, as a long synchronous call would
+            await asyncio.sleep(0)
+
+    async with Server("inproc://late-ticks", run_id="r", heartbeat_interval_s=interval_s,
+                      missed_heartbeats=missed, context=ctx) as server:
+        async with Client(server.address, role="generator", name="alive", context=ctx) as alive:
+            await alive.connect(timeout_s=WAIT_S)
+            silent = RawPeer(ctx, server.address)
+            await silent.hello("silent")  # its last message; it never heartbeats
+            staller = asyncio.create_task(stall_the_loop())
+            try:
+                dead = await asyncio.wait_for(next_event(server, "dead", "silent"), 40 * stall_s)
+            finally:
+                staller.cancel()
+            assert "no message" in dead.reason
+            assert [p.name for p in server.peers.values()] == ["alive"]
+            silent.close()
+
+
 async def test_client_detects_silent_server(ctx):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
