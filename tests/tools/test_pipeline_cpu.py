@@ -14,36 +14,42 @@ from tools.benches.pipeline import CpuSampler
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-# A child that spins for SPIN_S, then sleeps: its CPU is SPIN_S, whatever the window's wall time.
+# A child that spins until it has used SPIN_S of CPU (not of wall time: a loaded machine gives it less CPU
+# per second), says how much CPU it used in all (its start-up included), then sleeps.
 SPIN_S = 0.6
 CHILD = f"""
 import time
-end = time.monotonic() + {SPIN_S}
-while time.monotonic() < end:
+while time.process_time() < {SPIN_S}:
     pass
+print(time.process_time(), flush=True)
 time.sleep(30)
 """
 
 
 def test_counts_the_cpu_seconds_of_busy_processes_and_not_of_sleeping_ones():
-    busy = subprocess.Popen([sys.executable, "-c", CHILD])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
+                            stdout=subprocess.PIPE, text=True)
+    busy = None
     sampler = CpuSampler()
     try:
+        idle.stdout.readline()  # its start-up is over: from here on it only sleeps
+        busy = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
         start = time.monotonic()
         sampler.start([busy.pid, idle.pid])
-        time.sleep(SPIN_S + 0.9)  # the spin ends inside the window (the interpreter's start adds a little)
+        used_s = float(busy.stdout.readline())  # the busy child's own count, when its spin is over
+        time.sleep(0.6)
         end = time.monotonic()
         time.sleep(0.1)
         sampler.stop()
     finally:
-        busy.kill()
-        idle.kill()
-        busy.wait()
-        idle.wait()
+        for child in (busy, idle):
+            if child is not None:
+                child.kill()
+                child.wait()
     cpu_s = sampler.seconds_between(start, end)
-    # The spin, and the busy interpreter's start-up (under 0.3 s), at 10 ms clock ticks; nothing from sleeping.
-    assert SPIN_S - 0.05 <= cpu_s <= SPIN_S + 0.35, cpu_s
+    # The busy child's CPU, less what it used before the first sample (part of its start-up), at 10 ms
+    # clock ticks; nothing from the sleeping one.
+    assert used_s - 0.25 <= cpu_s <= used_s + 0.05, (cpu_s, used_s)
     # After the spin the CPU stands still: the last half second adds (almost) nothing.
     assert sampler.seconds_between(end - 0.5, end) <= 0.03
 
