@@ -89,7 +89,7 @@ def highlights(role: str, c: dict[str, float]) -> str:
                 f"staleness<= {c.get('trainer/controller/max_staleness_seen', 0):.0f}")
     if role == "generator":
         hi = (f"running {c.get('generator/queue/running', 0):.0f}  waiting {c.get('generator/queue/waiting', 0):.0f}"
-              f"  {c.get('generator/throughput/wall_tokens_per_s', 0):.0f} tok/s")
+              f"{_on_env(c)}  {c.get('generator/throughput/wall_tokens_per_s', 0):.0f} tok/s")
         if c.get("generator/spec/spec_steps", 0):
             hi += (f"  spec: {c.get('generator/spec/mean_accept_len', 0):.2f} drafts accepted/step "
                    f"({c.get('generator/spec/accept_rate', 0):.0%}), drafter v"
@@ -102,12 +102,22 @@ def highlights(role: str, c: dict[str, float]) -> str:
     return "  ".join(f"{k.rsplit('/', 1)[-1]} {v:g}" for k, v in list(c.items())[:4])
 
 
+def _on_env(c: dict[str, float]) -> str:
+    """Multi-turn generators: the rows parked on an environment's answer (they overlap the others' decoding)."""
+    return f"  on env {c['generator/env/waiting']:.0f}" if "generator/env/waiting" in c else ""
+
+
+def version_of(process: dict) -> str:
+    """A process's policy version; reward and environment servers hold no model: blank."""
+    return "" if process["role"] in ("reward", "env") else str(process["policy_version"])
+
+
 def render(snapshot: dict) -> str:
     """The plain-text snapshot (--once without --json): one line per process, trainer first."""
     lines = [f"run {snapshot['run_id']} at {snapshot['address']}",
              f"{'name':<14}{'role':<11}{'state':<17}{'version':>8}  highlights"]
     for name, s in _ordered(snapshot["processes"]):
-        lines.append(f"{name:<14}{s['role']:<11}{s['state']:<17}{s['policy_version']:>8}  "
+        lines.append(f"{name:<14}{s['role']:<11}{s['state']:<17}{version_of(s):>8}  "
                      f"{highlights(s['role'], s['counters'])}")
     return "\n".join(lines)
 
@@ -133,7 +143,8 @@ def _cells(role: str, c: dict[str, float]) -> list[str]:
         spec = (f"{g('generator/spec/accept_rate', 0):.0%} / {g('generator/spec/mean_accept_len', 0):.2f}"
                 if g("generator/spec/spec_steps", 0) else "")
         drafter = f"v{g('generator/spec/drafter_version', 0):.0f}" if "generator/spec/drafter_version" in c else ""
-        return [f"{g('generator/queue/waiting', 0):.0f} waiting / {g('generator/queue/pending_items', 0):.0f} items",
+        return [f"{g('generator/queue/waiting', 0):.0f} waiting / {g('generator/queue/pending_items', 0):.0f} items"
+                + _on_env(c).replace("  on env", " / on env"),
                 f"{g('generator/throughput/wall_tokens_per_s', 0):.0f}", f"{g('generator/queue/running', 0):.0f}",
                 "", spec, drafter, ""]
     if role in ("reward", "env"):
@@ -171,7 +182,7 @@ def view(board: Board) -> Any:
     for name, p in _ordered(board.processes):
         age = now - p["seen_s"]
         style = STATE_STYLE.get(p["state"], "")
-        table.add_row(name, p["role"], Text(p["state"], style=style), str(p["policy_version"]),
+        table.add_row(name, p["role"], Text(p["state"], style=style), version_of(p),
                       *_cells(p["role"], p["counters"]), f"{age:.0f}s", style="dim" if age > STALE_AFTER_S else None)
     events = Text("\n".join(f"{time.strftime('%H:%M:%S', time.localtime(t))}  {e:<14} {text}"
                             for t, e, text in board.events) or "none yet", overflow="ellipsis")

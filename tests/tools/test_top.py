@@ -40,11 +40,17 @@ def test_reward_and_environment_servers_show_their_requests_after_the_generators
             f"{role}/requests/errors": 1}}
     snapshot = {"run_id": "r", "address": "a", "processes": {
         "env-0": server("env"), "grader": server("reward"),
-        "gen-0": {"role": "generator", "state": "idle", "policy_version": 0, "wall_s": 1.0, "counters": {}}}}
+        "gen-0": {"role": "generator", "state": "idle", "policy_version": 0, "wall_s": 1.0,
+                  "counters": {"generator/env/waiting": 5}}}}
     lines = top.render(snapshot).splitlines()[2:]
     assert [line.split()[0] for line in lines] == ["gen-0", "grader", "env-0"]
+    assert "waiting 0  on env 5" in lines[0]  # multi-turn rows parked on the environment's answer
     for line in lines[1:]:
         assert "answered 12  in flight 2  latency 4.0 ms  errors 1" in line
+        assert line.split()[2:4] == ["idle", "answered"]  # no policy version: the servers hold no model
+    cells = top._cells("generator", snapshot["processes"]["gen-0"]["counters"])
+    assert cells[0] == "0 waiting / 0 items / on env 5"
+    assert [top.version_of(p) for _, p in top._ordered(snapshot["processes"])] == ["0", "", ""]
 
 
 # ---------------------------------------------------------------------------------------- reconnecting
