@@ -38,8 +38,8 @@ def test_committing_early_brings_the_trainer_near_the_bound(w, least):
     assert early > waited + 0.05 and idle_early < 0.6 * idle_waited, (early, waited, idle_early, idle_waited)
 
 
-@pytest.mark.parametrize("seed,max_staleness,w", itertools.product(
-    range(3), (0, 1, 2), (DEFAULT, LONGTAIL, replace(DEFAULT, groups_per_step=3, group_size=5, num_generators=3))))
+@pytest.mark.parametrize("seed,max_staleness,w", list(itertools.product(
+    range(3), (0, 1, 2), (DEFAULT, LONGTAIL, replace(DEFAULT, groups_per_step=3, group_size=5, num_generators=3)))))
 def test_bound_holds_and_nothing_is_trained_twice(seed, max_staleness, w):
     w = replace(w, seed=seed, steps=10)
     r = simulate(w, max_staleness, incremental=True)
