@@ -16,7 +16,8 @@ only a group of N+1 lets gloo / NCCL fan the bytes out so the trainer's egress s
 real network. Its cost: a frozen member fails one version for all (they fetch it by chunks). A member that
 never joins is named by the bounded rendezvous (Group.join) and excluded the same way; a failure mid-broadcast (a member
 killed or frozen) costs one timeout: the group is dropped, each member falls back to chunks by itself after
-its own bounded wait, and the next version re-forms the group.
+its own bounded wait, and the next version re-forms the group. A member declared dead (or gone) mid-broadcast
+costs less: the others are served by chunks at once, until the broadcast's timeout ends it (member_gone).
 Test: pytest tests/engine/core/test_broadcast.py tests/engine/trainer/test_weights_broadcast.py
       tests/faults/test_broadcast_faults.py
 """
@@ -92,10 +93,13 @@ class Broadcaster:
         self.sending: int | None = None  # the version whose broadcast runs now
         self.failed: collections.deque[int] = collections.deque(maxlen=64)  # versions whose broadcast failed
         self.refusals: dict[int, dict[bytes, str]] = {}  # version being sent -> members that acknowledged not ok
+        self.lost_member_of: int | None = None  # the version being sent when a member left or was declared dead
 
     # ------------------------------------------------------------------------------------ from the service
 
     def can_join(self, peer: Any) -> bool:
+        if self.lost_member_of is not None:  # the group's broadcast in flight cannot finish: chunks meanwhile
+            return False
         caps = peer.hello.capabilities
         version = self.latest[0] if self.latest is not None else 0
         return (peer.role == "generator" and version >= self.excluded.get(peer.id, 0) and bool(self.layout)
@@ -115,6 +119,24 @@ class Broadcaster:
             self.excluded.pop(peer.id, None)
             self.strikes.pop(peer.id, None)
         self.wake.set()
+
+    async def member_gone(self, peer: Any) -> None:
+        """A generator left or was declared dead. Mid-broadcast to a group it belongs to, that broadcast cannot
+        finish before its timeout (gloo cannot abort an operation in flight, and the others wait on it): the
+        other members are sent the latest version's chunk notice now, and every version published until that
+        broadcast ends goes by chunks (can_join is False), so a frozen member costs the run its dead verdict,
+        not trainer.weights_broadcast_timeout_s."""
+        self.membership_changed(peer)
+        if self.sending is None or peer.id not in self.members or self.latest is None:
+            return
+        self.lost_member_of = self.sending
+        self.counters["trainer/weights/broadcast_member_lost"] += 1
+        notice = self.latest[2]
+        log.warning("generator %s %s during the broadcast of weights v%d: the other members fetch v%d by chunks, "
+                    "and every version until that broadcast ends", peer.name, peer.event, self.sending, notice.version)
+        for peer_id in self.members:
+            if peer_id != peer.id and peer_id in self.server.peers:
+                await self.server.send(peer_id, notice)
 
     def on_ack(self, peer: Any, msg: m.WeightsAck) -> None:
         if msg.ok:
@@ -183,7 +205,7 @@ class Broadcaster:
         try:
             await self._send_bytes(version, group, fresh, state, peers, ids, started)
         finally:
-            self.sending = None
+            self.sending = self.lost_member_of = None
             refusals = self.refusals.pop(version, {})
         if version not in self.failed:  # it reached the others: those that said not ok failed on their own
             for peer_id, name in refusals.items():

@@ -393,7 +393,7 @@ class TrainerService:
                 self.broadcaster.membership_changed(peer)  # a newcomer gets the latest version by broadcast
             return
         if self.broadcaster is not None and peer.role == "generator":
-            self.broadcaster.membership_changed(peer)
+            await self.broadcaster.member_gone(peer)  # mid-broadcast: the other members get chunks meanwhile
         self.parked.pop(peer.id, None)
         self.drafters.forget_fetch_from(peer.id)  # its drafter left with it; the next announcement starts over
         self.peer_stats.pop(peer.name, None)

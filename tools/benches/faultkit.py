@@ -176,6 +176,10 @@ def freeze(run: Run, name: str, seconds: float) -> dict[str, Any]:
     """SIGSTOP of the child `name` for `seconds`, then SIGCONT (a process frozen by a debugger, swapped out,
     or starved). Returns its pid, the steps trained meanwhile and whether the trainer declared it dead."""
     pid = run.wait(f"a running {name}", lambda: run.child_pid(name), 120)
+    trainer_log = run.run_dir / "logs" / "trainer.log"
+    # A peer of the trainer, not a process still starting (frozen before its Hello, it is no one's to judge).
+    run.wait(f"{name} joined", lambda: f"generator {name!r} joined" in trainer_log.read_text(errors="replace"), 120)
+    run.wait_steps(run.steps() + 3, 120)  # versions published since: a member of the weights broadcast group
     before = run.steps()
     os.kill(pid, signal.SIGSTOP)
     try:

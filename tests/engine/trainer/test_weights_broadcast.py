@@ -223,3 +223,56 @@ async def test_a_member_is_excluded_for_its_own_failures_only_and_comes_back():
     assert b.can_join(slow)
     b.membership_changed(_Peer("gen-1", event="left"))  # gone: its history too
     assert slow.id not in b.strikes and b.can_join(slow)
+
+
+async def test_a_member_gone_mid_broadcast_gets_the_others_chunks_until_that_broadcast_ends():
+    """gloo cannot abort a broadcast in flight, and a frozen member holds it until its timeout. When that member
+    is declared dead (or leaves), the other members are sent the latest version's chunk notice at once, and
+    can_join is False (so publish sends every version by chunks) until the stuck broadcast ends."""
+    from collections import Counter
+
+    from tailrace.engine.trainer.broadcaster import Broadcaster
+
+    sent = []
+
+    class Server:
+        address = "tcp://127.0.0.1:5555"
+        peers = {}
+
+        async def send(self, peer_id, msg):
+            sent.append((peer_id, msg))
+
+    server = Server()
+    b = Broadcaster(server=server, counters=Counter(), bucket_bytes=1 << 20, timeout_s=30.0)
+    b.layout = "L"
+    healthy, frozen, newcomer = _Peer("gen-0"), _Peer("gen-1"), _Peer("gen-2")
+    server.peers = {p.id: p for p in (healthy, frozen, newcomer)}
+    b.group, b.members = type("Group", (), {"name": "w1"})(), (healthy.id, frozen.id)  # formed: no new rendezvous
+    b.store = type("Store", (), {"port": 1})()
+    chunks = WeightsNotice(model="policy", version=5, num_chunks=2, num_tensors=3, total_bytes=10)
+    b.offer(5, {}, chunks)
+    release = asyncio.Event()
+
+    async def stuck(*args):  # the trainer's side of the broadcast, waiting on the frozen member
+        await release.wait()
+
+    b._send_bytes = stuck
+    sending = asyncio.create_task(b.send(5, {}, chunks, [healthy, frozen]))
+    while b.sending != 5:
+        await asyncio.sleep(0.01)
+    assert [(peer_id, msg.transport) for peer_id, msg in sent] == [(healthy.id, "broadcast"), (frozen.id, "broadcast")]
+    sent.clear()
+    await b.member_gone(_Peer("gen-2", event="left"))  # not a member: nothing changes
+    assert sent == [] and b.can_join(healthy)
+    frozen.event = "dead"
+    del server.peers[frozen.id]
+    await b.member_gone(frozen)
+    assert sent == [(healthy.id, chunks)]  # the healthy member fetches the latest version by chunks now
+    assert not b.can_join(healthy) and not b.can_join(newcomer)  # and every version until the broadcast ends
+    assert b.counters["trainer/weights/broadcast_member_lost"] == 1
+    release.set()
+    await sending
+    assert b.can_join(healthy) and b.can_join(newcomer) and b.lost_member_of is None
+    sent.clear()
+    await b.member_gone(_Peer("gen-0", event="left"))  # gone while nothing is sent: nothing to serve
+    assert sent == []
