@@ -102,9 +102,9 @@ def highlights(role: str, c: dict[str, float]) -> str:
     return "  ".join(f"{k.rsplit('/', 1)[-1]} {v:g}" for k, v in list(c.items())[:4])
 
 
-def _on_env(c: dict[str, float]) -> str:
+def _on_env(c: dict[str, float], sep: str = "  ") -> str:
     """Multi-turn generators: the rows parked on an environment's answer (they overlap the others' decoding)."""
-    return f"  on env {c['generator/env/waiting']:.0f}" if "generator/env/waiting" in c else ""
+    return f"{sep}on env {c['generator/env/waiting']:.0f}" if "generator/env/waiting" in c else ""
 
 
 def version_of(process: dict) -> str:
@@ -144,7 +144,7 @@ def _cells(role: str, c: dict[str, float]) -> list[str]:
                 if g("generator/spec/spec_steps", 0) else "")
         drafter = f"v{g('generator/spec/drafter_version', 0):.0f}" if "generator/spec/drafter_version" in c else ""
         return [f"{g('generator/queue/waiting', 0):.0f} waiting / {g('generator/queue/pending_items', 0):.0f} items"
-                + _on_env(c).replace("  on env", " / on env"),
+                + _on_env(c, sep=" / "),
                 f"{g('generator/throughput/wall_tokens_per_s', 0):.0f}", f"{g('generator/queue/running', 0):.0f}",
                 "", spec, drafter, ""]
     if role in ("reward", "env"):

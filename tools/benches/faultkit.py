@@ -186,7 +186,7 @@ def freeze(run: Run, name: str, seconds: float) -> dict[str, Any]:
         time.sleep(seconds)
     finally:
         os.kill(pid, signal.SIGCONT)
-    log = (run.run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    log = trainer_log.read_text(errors="replace")
     return {"pid": pid, "steps_while_frozen": run.steps() - before, "declared_dead": f"generator {name!r} dead" in log}
 
 
